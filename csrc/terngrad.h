@@ -1,0 +1,55 @@
+// hvd_terngrad CPU kernels: a plain C ABI (no Python, no torch headers).
+//
+// Why a plain C ABI loaded by ctypes (the bitsandbytes pattern) rather than pybind11 or a torch extension:
+// the library does not link against libtorch or libpython, so one build works with any torch and any
+// Python 3 (no ABI breaks on torch upgrades, no C++17/torch header coupling as Horovod suffers), the same
+// entry points can be called from C, Rust or Julia, and a ctypes call costs about a microsecond, which
+// is nothing next to a kernel that reads megabytes. Tensors cross the boundary as data pointers.
+//
+// The wire format these kernels implement is docs/wire-format.md; reference.py is its executable spec.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TG_ABI_VERSION 1
+
+// Input element types.
+enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
+
+// Return codes.
+enum { TG_OK = 0, TG_EINVAL = -1, TG_EDTYPE = -2 };
+
+int tg_abi_version(void);
+
+// Which SIMD path the kernels use on this CPU: 0 scalar, 2 AVX2.
+int tg_simd_level(void);
+
+// Statistics pass, one read of x. out = {mean, std about the mean (population), max|x|, #non-finite}.
+// Deterministic: the summation order is fixed by 65536-element blocks and 8 lanes, whatever nthreads is.
+int tg_stats(int dtype, const void* x, int64_t n, int nthreads, double out[4]);
+
+// Fused stochastic ternarization and packing, one read of x and one write of ceil(n/4) bytes.
+// Element i: h = 16-bit half (i % 2) of Philox word (i % 8) / 2 of block j = i / 8;
+// t = fl(float(2h + 1) * fl(scaler * 2^-17)) in fp32; code = t < |float(x_i)| ? (x_i < 0 ? 0b10 : 0b01) : 0b00;
+// code at bits 2*(i%4) of byte i/4; padding codes are 0.
+// Philox4x32-10 key = (seed lo, seed hi), counter = (j lo, (j hi & 0xffff) | rank << 16, tensor_id, step).
+// rank must be < 65536 and n < 2^50.
+int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_t seed, uint32_t step,
+                      uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads);
+
+// Unpack-and-accumulate decode of nranks code arrays into out[0..n) (fp32), no per-rank float array.
+// shared != 0: out = (sum_r b_r) * (scalers[0] / nranks)            (one multiply per element)
+// shared == 0: out = sum_r b_r * (scalers[r] / nranks), in rank order (fp32)
+// Returns TG_OK, 1 if any code is the invalid 0b11 or a padding code is not 0, or a negative error.
+int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
+                  float* out, int nthreads);
+
+// One Philox4x32-10 block, exposed for known-answer tests.
+void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+
+#ifdef __cplusplus
+}
+#endif

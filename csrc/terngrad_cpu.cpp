@@ -1,0 +1,433 @@
+// hvd_terngrad CPU kernels. See terngrad.h for the contract and docs/wire-format.md for the format.
+//
+// Layout of the work: every kernel walks the input in fixed-size chunks that threads take in contiguous
+// ranges, so results never depend on the thread count. The fp32 ternarizer has an AVX2 path (8 Philox
+// streams per vector, 32 elements per iteration) picked at run time, and a scalar path that defines the
+// same bits and handles tails.
+#include "terngrad.h"
+#include "philox.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TG_X86 1
+#else
+#define TG_X86 0
+#endif
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Threads: run f(begin, end) over [0, nitems) split into at most nthreads contiguous ranges.
+template <class F>
+void parallel_for(int64_t nitems, int nthreads, F&& f) {
+  if (nthreads <= 1 || nitems <= 1) {
+    f(int64_t(0), nitems);
+    return;
+  }
+  const int64_t nt = std::min<int64_t>(nthreads, nitems);
+  const int64_t per = (nitems + nt - 1) / nt;
+  std::vector<std::thread> pool;
+  pool.reserve(nt - 1);
+  for (int64_t t = 1; t < nt; ++t) {
+    const int64_t b = t * per, e = std::min(nitems, b + per);
+    if (b >= e) break;
+    pool.emplace_back([&f, b, e] { f(b, e); });
+  }
+  f(int64_t(0), std::min(nitems, per));
+  for (auto& th : pool) th.join();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element loads. fp16 and bf16 widen exactly; fp64 rounds to nearest fp32 for the ternarizer.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: renormalize
+    int e = -1;
+    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int DT> struct Elem;
+template <> struct Elem<TG_F32> { using T = float; static float f(const T* p, int64_t i) { return p[i]; } static double d(const T* p, int64_t i) { return p[i]; } };
+template <> struct Elem<TG_F64> { using T = double; static float f(const T* p, int64_t i) { return (float)p[i]; } static double d(const T* p, int64_t i) { return p[i]; } };
+template <> struct Elem<TG_F16> { using T = uint16_t; static float f(const T* p, int64_t i) { return half_to_float(p[i]); } static double d(const T* p, int64_t i) { return half_to_float(p[i]); } };
+template <> struct Elem<TG_BF16> { using T = uint16_t; static float f(const T* p, int64_t i) { return bf16_to_float(p[i]); } static double d(const T* p, int64_t i) { return bf16_to_float(p[i]); } };
+
+// ------------------------------------------------------------------------------------------------
+// Statistics. Fixed blocks of kStatBlock elements; inside a block element k goes to lane k % 8.
+constexpr int64_t kStatBlock = 65536;
+constexpr int kLanes = 8;
+
+struct Partial {
+  double sum = 0, sumsq = 0, absmax = 0;
+  int64_t nonfinite = 0;
+};
+
+template <int DT>
+Partial stats_block(const typename Elem<DT>::T* x, int64_t n, double x0) {
+  double s[kLanes] = {0}, q[kLanes] = {0}, m[kLanes] = {0};
+  int64_t bad[kLanes] = {0};
+  const double big = DT == TG_F64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double v = Elem<DT>::d(x, k + l);
+      const double a = std::fabs(v);
+      const double d = v - x0;
+      s[l] += d;
+      q[l] += d * d;
+      m[l] = a > m[l] ? a : m[l];  // NaN compares false and is counted below instead
+      bad[l] += !(a <= big);
+    }
+  }
+  for (int l = 0; k < n; ++k, ++l) {
+    const double v = Elem<DT>::d(x, k);
+    const double a = std::fabs(v);
+    const double d = v - x0;
+    s[l] += d;
+    q[l] += d * d;
+    m[l] = a > m[l] ? a : m[l];
+    bad[l] += !(a <= big);
+  }
+  Partial p;
+  for (int l = 0; l < kLanes; ++l) {
+    p.sum += s[l];
+    p.sumsq += q[l];
+    p.absmax = m[l] > p.absmax ? m[l] : p.absmax;
+    p.nonfinite += bad[l];
+  }
+  return p;
+}
+
+#if TG_X86
+template <int DT>
+__attribute__((target("avx2,fma"))) Partial stats_block_avx2(const typename Elem<DT>::T* x, int64_t n, double x0) {
+  return stats_block<DT>(x, n, x0);  // same source, vectorized for AVX2 (lanes make it reassociation-free)
+}
+#endif
+
+bool has_avx2() {
+#if TG_X86
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+template <int DT>
+void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  out[0] = out[1] = out[2] = out[3] = 0;
+  if (n <= 0) return;
+  const double x0 = Elem<DT>::d(x, 0);
+  const int64_t nblocks = (n + kStatBlock - 1) / kStatBlock;
+  std::vector<Partial> parts(nblocks);
+  const bool avx2 = has_avx2();
+  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t off = i * kStatBlock, len = std::min(kStatBlock, n - off);
+#if TG_X86
+      parts[i] = avx2 ? stats_block_avx2<DT>(x + off, len, x0) : stats_block<DT>(x + off, len, x0);
+#else
+      parts[i] = stats_block<DT>(x + off, len, x0);
+#endif
+    }
+  });
+  Partial t;
+  for (const auto& p : parts) {
+    t.sum += p.sum;
+    t.sumsq += p.sumsq;
+    t.absmax = p.absmax > t.absmax ? p.absmax : t.absmax;
+    t.nonfinite += p.nonfinite;
+  }
+  const double md = t.sum / (double)n;  // mean of (x - x0)
+  const double var = std::max(0.0, t.sumsq / (double)n - md * md);
+  out[0] = x0 + md;
+  out[1] = std::sqrt(var);
+  out[2] = t.absmax;
+  out[3] = (double)t.nonfinite;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Ternarize + pack.
+struct Key {
+  uint32_t k0, k1, c1_hi, tensor_id, step;
+};
+
+// Keep x when t = fl((2h+1) * fl(scaler * 2^-17)) < |x|: a Bernoulli(|x| / scaler) draw whose uniform is
+// the midpoint of a 16-bit cell. t < scaler always, so |x| >= scaler always keeps (clipping).
+inline uint8_t code_of(float x, float scaler_2m17, uint32_t half) {
+  const float t = (float)(2 * half + 1) * scaler_2m17;
+  if (!(t < std::fabs(x))) return 0;
+  return std::signbit(x) ? 2 : 1;
+}
+
+// Scalar path for elements [b, e), b a multiple of 8. Writes bytes b/4 .. ceil(e/4).
+// Philox block j covers elements 8j .. 8j+7; element i uses 16-bit half i % 2 of word (i % 8) / 2.
+template <int DT>
+void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, float scaler, const Key& key,
+                      uint8_t* out) {
+  for (int64_t j = b / 8; 8 * j < e; ++j) {
+    const uint32_t ctr[4] = {(uint32_t)j, (uint32_t)((uint64_t)j >> 32 & 0xffffu) | key.c1_hi, key.tensor_id,
+                             key.step};
+    uint32_t r[4];
+    tg_philox4x32_10(ctr, key.k0, key.k1, r);
+    for (int half_byte = 0; half_byte < 2; ++half_byte) {
+      if (8 * j + 4 * half_byte >= e) break;
+      uint8_t byte = 0;
+      for (int w = 0; w < 4; ++w) {
+        const int k = 4 * half_byte + w;  // 0..7 inside the block
+        const int64_t i = 8 * j + k;
+        const uint32_t half = (r[k / 2] >> (16 * (k % 2))) & 0xffffu;
+        if (i < e) byte |= (uint8_t)(code_of(Elem<DT>::f(x, i), scaler * 0x1p-17f, half) << (2 * w));
+      }
+      out[2 * j + half_byte] = byte;
+    }
+  }
+}
+
+#if TG_X86
+// Spread the 32 bits of v to the even bits of a 64-bit word.
+inline uint64_t spread_bits(uint32_t v) {
+  uint64_t x = v;
+  x = (x | x << 16) & 0x0000FFFF0000FFFFull;
+  x = (x | x << 8) & 0x00FF00FF00FF00FFull;
+  x = (x | x << 4) & 0x0F0F0F0F0F0F0F0Full;
+  x = (x | x << 2) & 0x3333333333333333ull;
+  x = (x | x << 1) & 0x5555555555555555ull;
+  return x;
+}
+
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const typename Elem<DT>::T* p) {
+  if constexpr (DT == TG_F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (DT == TG_F64) {
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_loadu_pd(p));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_loadu_pd(p + 4));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+  } else if constexpr (DT == TG_F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+
+// (hi, lo) halves of the eight 32x32-bit products m * c.
+__attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m256i& hi, __m256i& lo) {
+  const __m256i pe = _mm256_mul_epu32(m, c);                           // lanes 0,2,4,6
+  const __m256i po = _mm256_mul_epu32(m, _mm256_srli_epi64(c, 32));    // lanes 1,3,5,7
+  lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+}
+
+// Elements [b, e) with b and e multiples of 64: eight Philox blocks (one per lane) per iteration.
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem<DT>::T* x, int64_t b, int64_t e,
+                                                             float scaler, const Key& key, uint8_t* out) {
+  const __m256i M0 = _mm256_set1_epi32((int)TG_PHILOX_M0), M1 = _mm256_set1_epi32((int)TG_PHILOX_M1);
+  __m256i K0[10], K1[10];
+  for (int r = 0; r < 10; ++r) {
+    K0[r] = _mm256_set1_epi32((int)(key.k0 + (uint32_t)r * TG_PHILOX_W0));
+    K1[r] = _mm256_set1_epi32((int)(key.k1 + (uint32_t)r * TG_PHILOX_W1));
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i C2 = _mm256_set1_epi32((int)key.tensor_id), C3 = _mm256_set1_epi32((int)key.step);
+  const __m256 vs17 = _mm256_set1_ps(scaler * 0x1p-17f);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t i = b; i < e; i += 64) {
+    const uint64_t j0 = (uint64_t)i / 8;  // multiple of 8: j0 lo + 7 never carries
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j0), lane);
+    __m256i c1 = _mm256_set1_epi32((int)((uint32_t)(j0 >> 32 & 0xffffu) | key.c1_hi));
+    __m256i c2 = C2, c3 = C3;
+    for (int r = 0; r < 10; ++r) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(M0, c0, hi0, lo0);
+      mulhilo8(M1, c2, hi1, lo1);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), K0[r]);
+      c1 = lo1;
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), K1[r]);
+      c3 = lo0;
+    }
+    // Transpose: the 128 bits of block l (words c0..c3 of lane l) feed elements 8l .. 8l+7.
+    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpacklo_epi32(c2, c3);
+    const __m256i t2 = _mm256_unpackhi_epi32(c0, c1), t3 = _mm256_unpackhi_epi32(c2, c3);
+    const __m256i a0 = _mm256_unpacklo_epi64(t0, t1), a1 = _mm256_unpackhi_epi64(t0, t1);
+    const __m256i a2 = _mm256_unpacklo_epi64(t2, t3), a3 = _mm256_unpackhi_epi64(t2, t3);
+    const __m128i blk[8] = {_mm256_castsi256_si128(a0), _mm256_castsi256_si128(a1),
+                            _mm256_castsi256_si128(a2), _mm256_castsi256_si128(a3),
+                            _mm256_extracti128_si256(a0, 1), _mm256_extracti128_si256(a1, 1),
+                            _mm256_extracti128_si256(a2, 1), _mm256_extracti128_si256(a3, 1)};
+    uint64_t pos = 0, neg = 0;
+    for (int v = 0; v < 8; ++v) {
+      const __m256i h = _mm256_cvtepu16_epi32(blk[v]);  // 16-bit halves, low half first
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(h, h), one)), vs17);
+      const __m256 xv = load8<DT>(x + i + 8 * v);
+      const uint64_t keep =
+          (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ));
+      const uint64_t sign = (uint32_t)_mm256_movemask_ps(xv);
+      pos |= (keep & ~sign) << (8 * v);
+      neg |= (keep & sign) << (8 * v);
+    }
+    const uint64_t lo = spread_bits((uint32_t)pos) | spread_bits((uint32_t)neg) << 1;
+    const uint64_t hi = spread_bits((uint32_t)(pos >> 32)) | spread_bits((uint32_t)(neg >> 32)) << 1;
+    std::memcpy(out + i / 4, &lo, 8);
+    std::memcpy(out + i / 4 + 8, &hi, 8);
+  }
+}
+#endif
+
+template <int DT>
+void ternarize_impl(const void* xv, int64_t n, float scaler, const Key& key, uint8_t* out, int nthreads) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  constexpr int64_t kChunk = 16384;  // elements per work item, a multiple of 64
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  const bool avx2 = has_avx2();
+  parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
+    const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
+    int64_t mid = b;
+#if TG_X86
+    if (avx2) {
+      mid = b + (e - b) / 64 * 64;
+      ternarize_avx2<DT>(x, b, mid, scaler, key, out);
+    }
+#endif
+    if (mid < e) ternarize_scalar<DT>(x, mid, e, scaler, key, out);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode: a 256-entry table turns one byte into its four values.
+struct Lut {
+  alignas(16) float v[256][4];
+  Lut() {
+    for (int b = 0; b < 256; ++b)
+      for (int w = 0; w < 4; ++w) {
+        const int c = (b >> (2 * w)) & 3;
+        v[b][w] = c == 1 ? 1.0f : c == 2 ? -1.0f : 0.0f;
+      }
+  }
+};
+const Lut kLut;
+
+constexpr int64_t kDecodeBlock = 4096;  // elements, a multiple of 4; the accumulator stays in L1
+
+void decode_block(int nranks, const uint8_t* const* codes, const float* weights, int shared, float post,
+                  int64_t start, int64_t len, float* out, uint32_t& bad) {
+  alignas(64) float acc[kDecodeBlock];
+  const int64_t nbytes = (len + 3) / 4, b0 = start / 4;
+  for (int r = 0; r < nranks; ++r) {
+    const uint8_t* c = codes[r] + b0;
+    const float w = shared ? 1.0f : weights[r];
+    uint32_t badr = 0;
+    if (r == 0) {
+      for (int64_t k = 0; k < nbytes; ++k) {
+        const uint8_t byte = c[k];
+        badr |= byte & (byte >> 1) & 0x55u;
+        for (int q = 0; q < 4; ++q) acc[4 * k + q] = kLut.v[byte][q] * w;
+      }
+    } else {
+      for (int64_t k = 0; k < nbytes; ++k) {
+        const uint8_t byte = c[k];
+        badr |= byte & (byte >> 1) & 0x55u;
+        for (int q = 0; q < 4; ++q) acc[4 * k + q] += kLut.v[byte][q] * w;
+      }
+    }
+    if (len % 4) badr |= c[nbytes - 1] >> (2 * (len % 4));  // padding codes must be 0
+    bad |= badr;
+  }
+  if (shared) {
+    for (int64_t k = 0; k < len; ++k) out[start + k] = acc[k] * post;
+  } else {
+    std::memcpy(out + start, acc, sizeof(float) * len);
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+extern "C" {
+
+int tg_abi_version(void) { return TG_ABI_VERSION; }
+
+int tg_simd_level(void) { return has_avx2() ? 2 : 0; }
+
+void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
+  tg_philox4x32_10(ctr, key[0], key[1], out);
+}
+
+int tg_stats(int dtype, const void* x, int64_t n, int nthreads, double out[4]) {
+  if (n < 0 || (n > 0 && !x) || !out) return TG_EINVAL;
+  switch (dtype) {
+    case TG_F32: stats_impl<TG_F32>(x, n, nthreads, out); return TG_OK;
+    case TG_F64: stats_impl<TG_F64>(x, n, nthreads, out); return TG_OK;
+    case TG_F16: stats_impl<TG_F16>(x, n, nthreads, out); return TG_OK;
+    case TG_BF16: stats_impl<TG_BF16>(x, n, nthreads, out); return TG_OK;
+    default: return TG_EDTYPE;
+  }
+}
+
+int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_t seed, uint32_t step,
+                      uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
+  if (n < 0 || (n > 0 && (!x || !out)) || rank > 0xffffu || (n >> 50) != 0) return TG_EINVAL;
+  if (n == 0) return TG_OK;
+  const Key key{(uint32_t)seed, (uint32_t)(seed >> 32), rank << 16, tensor_id, step};
+  switch (dtype) {
+    case TG_F32: ternarize_impl<TG_F32>(x, n, scaler, key, out, nthreads); return TG_OK;
+    case TG_F64: ternarize_impl<TG_F64>(x, n, scaler, key, out, nthreads); return TG_OK;
+    case TG_F16: ternarize_impl<TG_F16>(x, n, scaler, key, out, nthreads); return TG_OK;
+    case TG_BF16: ternarize_impl<TG_BF16>(x, n, scaler, key, out, nthreads); return TG_OK;
+    default: return TG_EDTYPE;
+  }
+}
+
+int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
+                  float* out, int nthreads) {
+  if (nranks <= 0 || n < 0 || !codes || !scalers || (n > 0 && !out)) return TG_EINVAL;
+  if (n == 0) return TG_OK;
+  for (int r = 0; r < nranks; ++r)
+    if (!codes[r]) return TG_EINVAL;
+  std::vector<float> weights(nranks);
+  for (int r = 0; r < nranks; ++r) weights[r] = scalers[r] / (float)nranks;
+  const float post = scalers[0] / (float)nranks;
+  const int64_t nblocks = (n + kDecodeBlock - 1) / kDecodeBlock;
+  std::atomic<uint32_t> bad_all{0};
+  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
+    uint32_t bad = 0;
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t start = blk * kDecodeBlock, len = std::min(kDecodeBlock, n - start);
+      decode_block(nranks, codes, weights.data(), shared, post, start, len, out, bad);
+    }
+    bad_all |= bad;
+  });
+  return bad_all.load() ? 1 : TG_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,144 @@
+"""The ternary codec: one set of functions, dispatched by the tensor's device.
+
+    stats(x)                                  -> Stats(mean, std, absmax, nonfinite)
+    ternarize_pack(x, scaler, key, out=None)  -> uint8 tensor of ceil(n/4) packed 2-bit codes
+    decode_sum(codes, scalers, shared, n)     -> fp32 average of the ranks' ternary tensors
+
+Backends: "cpu" (C++ kernels, csrc/), "cuda" (CuPy RawKernels, terngrad_kernels.cu) and "reference"
+(plain torch, the executable spec). "auto" picks cuda for CUDA tensors and cpu otherwise. All three give
+the same bytes for the same inputs; docs/wire-format.md is the contract.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from hvd_terngrad.codec import cpu, reference
+
+BACKENDS = ("auto", "cpu", "cuda", "reference")
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class Stats(NamedTuple):
+    mean: float
+    std: float
+    absmax: float
+    nonfinite: int
+
+
+@dataclass(frozen=True)
+class RngKey:
+    """What the Philox stream of one tensor on one rank in one step is keyed by."""
+
+    seed: int
+    step: int
+    rank: int
+    tensor_id: int
+
+    def __post_init__(self):
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not 0 <= self.rank < 2**16:
+            raise ValueError(f"rank must be in [0, 65536), got {self.rank}")
+        if not 0 <= self.tensor_id < 2**32:
+            raise ValueError(f"tensor_id must be in [0, 2**32), got {self.tensor_id}")
+
+
+def packed_size(n: int) -> int:
+    return (n + 3) // 4
+
+
+def _cuda():
+    from hvd_terngrad.codec import cuda  # imported lazily: CuPy is optional
+
+    return cuda
+
+
+def resolve_backend(x: torch.Tensor, backend: str = "auto") -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown codec backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        if x.is_cuda:
+            return "cuda"
+        return "cpu" if cpu.available() else "reference"
+    if backend == "cuda" and not x.is_cuda:
+        raise ValueError("backend 'cuda' needs a CUDA tensor")
+    if backend == "cpu" and x.is_cuda:
+        raise ValueError("backend 'cpu' needs a CPU tensor")
+    return backend
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"TernGrad codes floating-point tensors (fp32, fp64, fp16, bf16), not {x.dtype}")
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+
+
+def stats(x: torch.Tensor, backend: str = "auto", nthreads: int | None = None) -> Stats:
+    x = _flat(x)
+    be = resolve_backend(x, backend)
+    if be == "cpu":
+        return Stats(*cpu.stats(x, nthreads))
+    if be == "cuda":
+        return Stats(*_cuda().stats(x))
+    return Stats(*reference.stats(x))
+
+
+def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tensor | None = None,
+                   backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
+    """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
+    x = _flat(x)
+    n = x.numel()
+    nbytes = packed_size(n)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
+    if not (scaler >= 0.0) or scaler == float("inf"):
+        raise ValueError(f"scaler must be finite and >= 0, got {scaler}")
+    be = resolve_backend(x, backend)
+    if be == "cpu":
+        cpu.ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id, out, nthreads)
+    elif be == "cuda":
+        _cuda().ternarize_pack(x, scaler, key, out)
+    else:
+        out.copy_(reference.ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id))
+    return out
+
+
+class CorruptPayload(ValueError):
+    """Codes that no encoder writes: 0b11, or a non-zero padding code."""
+
+
+def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
+               out: torch.Tensor | None = None, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
+    """Mean over ranks of scaler_r * b_r, as fp32, from each rank's packed codes.
+
+    shared=True: all ranks used scalers[0]; the code sum gets one multiply by scalers[0] / len(codes).
+    """
+    if not codes:
+        raise ValueError("decode_sum needs the codes of at least one rank")
+    nbytes = packed_size(n)
+    for r, c in enumerate(codes):
+        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
+            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got "
+                             f"{c.numel()} {c.dtype}")
+    if len(scalers) != len(codes):
+        raise ValueError(f"{len(codes)} code arrays but {len(scalers)} scalers")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=codes[0].device)
+    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
+    be = resolve_backend(codes[0], backend)
+    if be == "cpu":
+        ok = cpu.decode_sum(codes, scalers, shared, n, out, nthreads)
+    elif be == "cuda":
+        ok = _cuda().decode_sum(codes, scalers, shared, n, out)
+    else:
+        res, ok = reference.decode_sum([c.cpu() for c in codes], scalers, shared, n)
+        out.copy_(res)
+    if not ok:
+        raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")
+    return out

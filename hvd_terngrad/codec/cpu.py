@@ -1,0 +1,126 @@
+"""CPU backend: ctypes binding to the C++ kernels in csrc/ (built by setup.py as _terngrad_cpu).
+
+The library is found beside this package under the extension-module suffix setuptools gives it and
+loaded as a plain shared object. Tensors cross as data pointers; callers hand in contiguous CPU tensors.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import torch
+
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+ABI_VERSION = 1
+
+_lib = None
+_error: str | None = None
+
+
+def _find_library() -> Path | None:
+    pkg = Path(__file__).resolve().parent.parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        cand = pkg / f"_terngrad_cpu{suffix}"
+        if cand.exists():
+            return cand
+    return None
+
+
+def _load():
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    path = _find_library()
+    if path is None:
+        _error = "the C++ library _terngrad_cpu is not built (run scripts/install.sh or pip install .)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _error = f"cannot load {path}: {exc}"
+        return None
+    i64, u32, u64, vp = ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+    lib.tg_abi_version.restype = ctypes.c_int
+    lib.tg_simd_level.restype = ctypes.c_int
+    lib.tg_stats.argtypes = [ctypes.c_int, vp, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    lib.tg_stats.restype = ctypes.c_int
+    lib.tg_ternarize_pack.argtypes = [ctypes.c_int, vp, i64, ctypes.c_float, u64, u32, u32, u32, vp, ctypes.c_int]
+    lib.tg_ternarize_pack.restype = ctypes.c_int
+    lib.tg_decode_sum.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), ctypes.c_int,
+                                  i64, vp, ctypes.c_int]
+    lib.tg_decode_sum.restype = ctypes.c_int
+    lib.tg_philox4x32_10.argtypes = [ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.POINTER(u32)]
+    lib.tg_philox4x32_10.restype = None
+    if lib.tg_abi_version() != ABI_VERSION:
+        _error = f"{path} has ABI {lib.tg_abi_version()}, expected {ABI_VERSION}: rebuild it"
+        return None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def load_error() -> str | None:
+    _load()
+    return _error
+
+
+def _lib_or_raise():
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvd_terngrad CPU backend unavailable: {_error}")
+    return lib
+
+
+def default_threads() -> int:
+    env = os.environ.get("HVD_TERNGRAD_THREADS")
+    return int(env) if env else torch.get_num_threads()
+
+
+def simd_level() -> int:
+    return _lib_or_raise().tg_simd_level()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise RuntimeError(f"hvd_terngrad C++ kernel {what} rejected its arguments (code {rc})")
+
+
+def stats(x: torch.Tensor, nthreads: int | None = None) -> tuple[float, float, float, int]:
+    lib = _lib_or_raise()
+    out = (ctypes.c_double * 4)()
+    _check(lib.tg_stats(_DTYPES[x.dtype], x.data_ptr(), x.numel(), nthreads or default_threads(), out), "stats")
+    return out[0], out[1], out[2], int(out[3])
+
+
+def ternarize_pack(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int,
+                   out: torch.Tensor, nthreads: int | None = None) -> None:
+    lib = _lib_or_raise()
+    rc = lib.tg_ternarize_pack(_DTYPES[x.dtype], x.data_ptr(), x.numel(), scaler, seed, step, rank, tensor_id,
+                               out.data_ptr(), nthreads or default_threads())
+    _check(rc, "ternarize_pack")
+
+
+def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor,
+               nthreads: int | None = None) -> bool:
+    """Returns False when a code is invalid (0b11) or a padding code is not zero."""
+    lib = _lib_or_raise()
+    nr = len(codes)
+    ptrs = (ctypes.c_void_p * nr)(*[c.data_ptr() for c in codes])
+    sc = (ctypes.c_float * nr)(*scalers)
+    rc = lib.tg_decode_sum(nr, ptrs, sc, int(shared), n, out.data_ptr(), nthreads or default_threads())
+    _check(rc, "decode_sum")
+    return rc == 0
+
+
+def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    lib = _lib_or_raise()
+    c = (ctypes.c_uint32 * 4)(*ctr)
+    k = (ctypes.c_uint32 * 2)(*key)
+    o = (ctypes.c_uint32 * 4)()
+    lib.tg_philox4x32_10(c, k, o)
+    return tuple(o)

@@ -1,0 +1,142 @@
+"""Reference codec in plain torch: the executable form of docs/wire-format.md.
+
+Slow and simple on purpose. The C++ and CUDA kernels must produce the same bytes for the same inputs;
+the golden vectors in tests/golden/ pin all three.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+STAT_BLOCK = 65536
+STAT_LANES = 8
+
+
+def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of m * c for uint32 values held in int64, without int64 overflow."""
+    c_lo, c_hi = c & 0xFFFF, c >> 16
+    lo_part = m * c_lo  # < 2^48
+    hi_part = m * c_hi  # < 2^48
+    lo = (((hi_part & 0xFFFF) << 16) + lo_part) & _MASK32
+    hi = (hi_part + (lo_part >> 16)) >> 16
+    return hi, lo
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on int64 tensors holding uint32 values; returns the four output words."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & _MASK32
+        k1 = (k1 + PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def uniform_halves(n: int, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
+    """The 16-bit random value of each of n elements (int64 tensor).
+
+    Philox block j covers elements 8j .. 8j+7; element i takes the low (i even) or high (i odd) half of
+    word (i % 8) // 2.
+    """
+    nj = (n + 7) // 8
+    j = torch.arange(nj, dtype=torch.int64)
+    c0 = j & _MASK32
+    c1 = ((j >> 32) & 0xFFFF) | (rank << 16)
+    c2 = torch.full_like(j, tensor_id & _MASK32)
+    c3 = torch.full_like(j, step & _MASK32)
+    words = philox4x32_10(c0, c1, c2, c3, seed & _MASK32, (seed >> 32) & _MASK32)
+    w = torch.stack(words, dim=1).reshape(-1)
+    return torch.stack([w & 0xFFFF, w >> 16], dim=1).reshape(-1)[:n]
+
+
+def stats(x: torch.Tensor) -> tuple[float, float, float, int]:
+    """(mean, std about the mean, max|x|, #non-finite) with the kernels' summation order."""
+    x = x.reshape(-1)
+    n = x.numel()
+    if n == 0:
+        return 0.0, 0.0, 0.0, 0
+    v = x.double()
+    x0 = float(v[0])
+    a = v.abs()
+    big = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).max
+    nonfinite = int((~(a <= big)).sum())
+    absmax = float(torch.where(torch.isnan(a), torch.zeros_like(a), a).max())
+    d = v - x0
+    s = q = 0.0
+    for off in range(0, n, STAT_BLOCK):
+        blk = d[off:off + STAT_BLOCK]
+        pad = (-blk.numel()) % STAT_LANES
+        lanes = torch.cat([blk, blk.new_zeros(pad)]).reshape(-1, STAT_LANES)
+        ls, lq = [0.0] * STAT_LANES, [0.0] * STAT_LANES
+        for row_s, row_q in zip(lanes.tolist(), (lanes * lanes).tolist()):
+            for lane in range(STAT_LANES):
+                ls[lane] += row_s[lane]
+                lq[lane] += row_q[lane]
+        bs = bq = 0.0
+        for lane in range(STAT_LANES):
+            bs += ls[lane]
+            bq += lq[lane]
+        s += bs
+        q += bq
+    md = s / n
+    var = max(0.0, q / n - md * md)
+    return x0 + md, math.sqrt(var), absmax, nonfinite
+
+
+def codes_of(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
+    """Unpacked codes (uint8: 0, 1 = +1, 2 = -1) of a flat tensor."""
+    x = x.reshape(-1)
+    xf = x.float()
+    h = uniform_halves(x.numel(), seed, step, rank, tensor_id)
+    # Bernoulli(|x| / s) with the midpoint of a 16-bit cell as the uniform, as fp32 products:
+    # keep iff fl((2h + 1) * fl(s * 2^-17)) < |x|.
+    s17 = torch.tensor(scaler, dtype=torch.float32) * 2.0**-17
+    t = (2 * h + 1).float() * s17
+    keep = t < xf.abs()
+    neg = torch.signbit(xf)
+    return torch.where(keep, torch.where(neg, 2, 1), 0).to(torch.uint8)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """Four 2-bit codes a byte, element i at bits 2*(i % 4) of byte i // 4; padding codes are 0."""
+    pad = (-codes.numel()) % 4
+    c = torch.cat([codes, codes.new_zeros(pad)]).reshape(-1, 4).to(torch.int32)
+    return (c[:, 0] | c[:, 1] << 2 | c[:, 2] << 4 | c[:, 3] << 6).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    b = packed.to(torch.int32)
+    return torch.stack([(b >> (2 * w)) & 3 for w in range(4)], dim=1).reshape(-1)[:n].to(torch.uint8)
+
+
+def ternarize_pack(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
+    return pack(codes_of(x, scaler, seed, step, rank, tensor_id))
+
+
+def values(codes: torch.Tensor) -> torch.Tensor:
+    """Code -> value in {-1, 0, +1} as fp32."""
+    return (codes == 1).float() - (codes == 2).float()
+
+
+def decode_sum(packed: list[torch.Tensor], scalers: list[float], shared: bool, n: int) -> tuple[torch.Tensor, bool]:
+    """Average of the ranks' ternary tensors, fp32, with the kernels' rounding; and validity."""
+    nranks = len(packed)
+    ok = True
+    acc = torch.zeros(n, dtype=torch.float32)
+    for r, p in enumerate(packed):
+        c = unpack(p, ((n + 3) // 4) * 4)
+        ok = ok and not bool((c == 3).any()) and not bool((c[n:] != 0).any())
+        c = c[:n]
+        if shared:
+            acc = acc + values(c)
+        else:
+            w = torch.tensor(scalers[r], dtype=torch.float32) / nranks
+            acc = acc + values(c) * w
+    if shared:
+        acc = acc * (torch.tensor(scalers[0], dtype=torch.float32) / nranks)
+    return acc, ok

