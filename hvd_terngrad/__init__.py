@@ -1,0 +1,30 @@
+"""hvd_terngrad: TernGrad (Wen et al., NeurIPS 2017) for Horovod and PyTorch.
+
+    import horovod.torch as hvd, hvd_terngrad
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=hvd_terngrad.TernGrad(model.named_parameters()))
+    # or, with buckets, overlap and skip-on-NaN:
+    opt = hvd_terngrad.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+The codec (hvd_terngrad.codec), the options (TernGradConfig) and the engine import without Horovod;
+TernGrad and DistributedOptimizer import horovod.torch when first used.
+"""
+from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.engine import NonFiniteGradientError, PayloadMismatchError, TernGradEngine, TernGradError
+from hvd_terngrad.stats import StepStats
+
+__version__ = "0.1.0"
+__all__ = ["TernGrad", "DistributedOptimizer", "TernGradConfig", "TernGradEngine", "StepStats", "TernGradError",
+           "NonFiniteGradientError", "PayloadMismatchError"]
+
+
+def __getattr__(name):
+    if name == "TernGrad":
+        from hvd_terngrad.compression import TernGrad
+
+        return TernGrad
+    if name == "DistributedOptimizer":
+        from hvd_terngrad.optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+    raise AttributeError(f"module 'hvd_terngrad' has no attribute {name!r}")

@@ -1,0 +1,239 @@
+"""The per-step TernGrad pipeline, without Horovod: gradient -> policy -> codec -> records -> decode.
+
+Both Horovod front ends (compression.TernGrad for the stock optimizer and optimizer.DistributedOptimizer)
+drive one TernGradEngine. It knows the rank and world size but never communicates; the caller moves the
+scaler vector (Max allreduce) and the payloads (allgather) with transport.py.
+
+One step on one rank, for a group of tensors:
+    items = [engine.prepare(name, grad) ...]       stats, local scaler, residual added
+    vec = engine.scaler_vector(items)              -> Max allreduce across ranks   (share_scaler only)
+    engine.apply_shared(items, reduced_vec)        shared scaler; a non-finite rank is known everywhere
+    payload = engine.encode(items)                 header + packed codes per tensor -> allgather
+    engine.decode(items, gathered)                 average of the ranks' ternary tensors, fp32 per item
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hvd_terngrad import codec, wire
+from hvd_terngrad.config import TernGradConfig, payload_tag, tensor_id
+from hvd_terngrad.stats import StatsRecorder
+
+
+class TernGradError(RuntimeError):
+    """Base class of the errors TernGrad raises on every rank."""
+
+
+class NonFiniteGradientError(TernGradError):
+    """A gradient held NaN or Inf on some rank; raised on every rank in the same step."""
+
+
+class PayloadMismatchError(TernGradError, wire.PayloadMismatch):
+    """Ranks sent records that do not belong together."""
+
+
+@dataclass
+class Item:
+    """One tensor of one step on this rank."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    flat: torch.Tensor  # contiguous, 1-D, gradient (+ residual)
+    tag: int
+    tid: int
+    scaler: float  # local scaler, then the shared one after apply_shared
+    nonfinite_rank: int  # -1 if every rank's tensor is finite (as far as known)
+    offset: int = 0  # of its record in this rank's payload
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+
+class TernGradEngine:
+    def __init__(self, config: TernGradConfig, rank: int, size: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside world of size {size}")
+        self.config = config
+        self.rank = rank
+        self.size = size
+        self.step = 0
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.stats = StatsRecorder()
+
+    # ------------------------------------------------------------------------------------------
+    def next_step(self) -> None:
+        self.step += 1
+        self.stats.finish_step(self.step)
+
+    def key(self, item: Item) -> codec.RngKey:
+        return codec.RngKey(self.config.seed, self.step & 0xFFFFFFFF, self.rank, item.tid)
+
+    def check_dtype(self, name: str, grad: torch.Tensor) -> None:
+        if grad.dtype not in codec.SUPPORTED_DTYPES:
+            raise TypeError(f"hvd_terngrad: gradient of {name!r} on rank {self.rank} has dtype {grad.dtype}; "
+                            f"TernGrad codes fp32, fp64, fp16 and bf16 gradients")
+        if grad.is_sparse:
+            raise TypeError(f"hvd_terngrad: gradient of {name!r} on rank {self.rank} is sparse; "
+                            f"TernGrad codes dense gradients (use sparse_as_dense=True or exclude it)")
+
+    def prepare(self, name: str, grad: torch.Tensor) -> Item:
+        self.check_dtype(name, grad)
+        cfg = self.config
+        with self.stats.timed("encode"):
+            flat = grad.detach().reshape(-1)
+            if cfg.error_feedback and name in self.residuals:
+                flat = flat + self.residuals[name]
+            elif not flat.is_contiguous():
+                flat = flat.contiguous()
+            st = codec.stats(flat, backend=cfg.backend, nthreads=cfg.num_threads)
+        bad = st.nonfinite > 0
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
+                    tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
+                    scaler=0.0 if bad else cfg.scaler(st), nonfinite_rank=self.rank if bad else -1)
+
+    # ------------------------------------------------------------------------------------------
+    def scaler_vector(self, items: list[Item]) -> torch.Tensor:
+        """[s_0, f_0, s_1, f_1, ...] with f = rank + 1 where the tensor is non-finite, for a Max allreduce."""
+        vals = []
+        for it in items:
+            vals += [it.scaler, float(it.nonfinite_rank + 1)]
+        return torch.tensor(vals, dtype=torch.float32)
+
+    def apply_shared(self, items: list[Item], reduced: torch.Tensor) -> None:
+        vals = reduced.cpu().tolist()
+        if len(vals) != 2 * len(items):
+            raise PayloadMismatchError(
+                f"hvd_terngrad: scaler vector of {len(vals) // 2} tensors, expected {len(items)} "
+                f"(rank {self.rank}, first tensor {items[0].name!r}): ranks disagree on tensor groups")
+        for i, it in enumerate(items):
+            it.scaler = vals[2 * i]
+            it.nonfinite_rank = int(vals[2 * i + 1]) - 1
+
+    def nonfinite(self, items: list[Item]) -> list[Item]:
+        return [it for it in items if it.nonfinite_rank >= 0]
+
+    def raise_nonfinite(self, items: list[Item]) -> None:
+        bad = self.nonfinite(items)
+        if bad:
+            it = bad[0]
+            names = ", ".join(repr(b.name) for b in bad[:5])
+            raise NonFiniteGradientError(
+                f"hvd_terngrad: non-finite (NaN/Inf) gradient in {it.name!r} on rank {it.nonfinite_rank} at step "
+                f"{self.step} (reported on rank {self.rank}; affected: {names}). Every rank raises this in the "
+                f"same step; pass on_nonfinite='skip' to hvd_terngrad.DistributedOptimizer to skip such steps.")
+
+    # ------------------------------------------------------------------------------------------
+    def payload_size(self, items: list[Item]) -> int:
+        return sum(wire.record_size(it.numel) for it in items)
+
+    def encode(self, items: list[Item], device: torch.device | None = None) -> torch.Tensor:
+        """This rank's payload: one record per item, codes written straight into it."""
+        cfg = self.config
+        shared = cfg.share_scaler
+        total = self.payload_size(items)
+        dev = device or (items[0].flat.device if items else torch.device("cpu"))
+        with self.stats.timed("encode"):
+            payload = torch.empty(total, dtype=torch.uint8, device=dev)
+            off = 0
+            for it in items:
+                it.offset = off
+                rec = payload[off: off + wire.record_size(it.numel)]
+                mine_bad = it.nonfinite_rank == self.rank or (not shared and it.nonfinite_rank >= 0)
+                flags = (wire.FLAG_SHARED if shared else 0) | (wire.FLAG_NONFINITE if mine_bad else 0)
+                wire.write_header(rec, wire.Header(flags, it.tag, it.numel, it.scaler, self.step))
+                codes = rec[wire.HEADER_SIZE: wire.HEADER_SIZE + wire.codes_size(it.numel)]
+                if it.nonfinite_rank >= 0:
+                    codes.zero_()
+                else:
+                    codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=codes, backend=cfg.backend,
+                                         nthreads=cfg.num_threads)
+                wire.zero_padding(rec, it.numel)
+                if cfg.error_feedback and it.nonfinite_rank < 0:
+                    local = codec.decode_sum([codes], [it.scaler], True, it.numel, backend=cfg.backend,
+                                             nthreads=cfg.num_threads)
+                    self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
+                off += wire.record_size(it.numel)
+        for it in items:
+            self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
+                                 scaler_bytes=8 if shared else 0)
+        return payload
+
+    def decode(self, items: list[Item], gathered: torch.Tensor) -> list[torch.Tensor]:
+        """The averaged gradients (fp32, flat) from the allgathered payloads of all ranks."""
+        cfg = self.config
+        with self.stats.timed("decode"):
+            per_rank = self.payload_size(items)
+            if gathered.numel() != per_rank * self.size:
+                self._explain_length(items, gathered, per_rank)
+            headers = self._read_headers(items, gathered, per_rank)
+            out = []
+            for i, it in enumerate(items):
+                hs = [headers[r][i] for r in range(self.size)]
+                self._check_scalers(it, hs)
+                starts = [r * per_rank + it.offset + wire.HEADER_SIZE for r in range(self.size)]
+                codes = [gathered[s: s + wire.codes_size(it.numel)] for s in starts]
+                try:
+                    res = codec.decode_sum(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
+                                           backend=cfg.backend, nthreads=cfg.num_threads)
+                except codec.CorruptPayload as exc:
+                    raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r} on rank {self.rank}: {exc}") from None
+                out.append(res)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _read_headers(self, items: list[Item], gathered: torch.Tensor, per_rank: int) -> list[list[wire.Header]]:
+        offs = [r * per_rank + it.offset for r in range(self.size) for it in items]
+        idx = (torch.tensor(offs, dtype=torch.int64)[:, None] + torch.arange(wire.HEADER_SIZE)).reshape(-1)
+        raw = gathered.index_select(0, idx.to(gathered.device)).cpu().numpy().tobytes()
+        headers: list[list[wire.Header]] = []
+        k = 0
+        for r in range(self.size):
+            row = []
+            for it in items:
+                row.append(self._check(raw[k * wire.HEADER_SIZE:(k + 1) * wire.HEADER_SIZE], it, r))
+                k += 1
+            headers.append(row)
+        return headers
+
+    def _check(self, raw: bytes, it: Item, src: int) -> wire.Header:
+        try:
+            h = wire.check_header(raw, name=it.name, src_rank=src, my_rank=self.rank, tag=it.tag, numel=it.numel,
+                                  step=self.step)
+        except wire.PayloadMismatch as exc:
+            raise PayloadMismatchError(f"hvd_terngrad: {exc}") from None
+        if bool(h.flags & wire.FLAG_SHARED) != self.config.share_scaler:
+            raise PayloadMismatchError(
+                f"hvd_terngrad: tensor {it.name!r}: rank {src} has share_scaler={bool(h.flags & wire.FLAG_SHARED)} "
+                f"but rank {self.rank} has {self.config.share_scaler}: ranks must use the same TernGrad options")
+        if h.flags & wire.FLAG_NONFINITE:
+            it.nonfinite_rank = src if it.nonfinite_rank < 0 else it.nonfinite_rank
+        return h
+
+    def _check_scalers(self, it: Item, hs: list[wire.Header]) -> None:
+        if self.config.share_scaler:
+            for r, h in enumerate(hs):
+                if h.scaler != hs[0].scaler:
+                    raise PayloadMismatchError(
+                        f"hvd_terngrad: tensor {it.name!r}: rank {r} coded with scaler {h.scaler} but rank 0 with "
+                        f"{hs[0].scaler} although the scaler is shared (checked on rank {self.rank})")
+
+    def _explain_length(self, items: list[Item], gathered: torch.Tensor, per_rank: int) -> None:
+        """The gathered length is wrong: walk the records to name the rank and tensor, then raise."""
+        raw = gathered.cpu().numpy().tobytes()
+        off = 0
+        for r in range(self.size):
+            for it in items:
+                if off + wire.HEADER_SIZE > len(raw):
+                    break
+                magic, _, h = wire.parse_header(raw[off: off + wire.HEADER_SIZE])
+                if magic != wire.MAGIC or h.numel != it.numel or h.tag != it.tag:
+                    self._check(raw[off: off + wire.HEADER_SIZE], it, r)
+                off += wire.record_size(h.numel)
+        raise PayloadMismatchError(
+            f"hvd_terngrad: received {gathered.numel()} bytes for {len(items)} tensor(s) starting with "
+            f"{items[0].name!r}, expected {per_rank * self.size} ({self.size} ranks x {per_rank}); checked on rank "
+            f"{self.rank}: the ranks disagree on which tensors travel together")

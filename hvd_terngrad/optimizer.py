@@ -1,0 +1,272 @@
+"""hvd_terngrad.DistributedOptimizer: TernGrad with buckets and overlap, the signature of hvd.DistributedOptimizer.
+
+What it does that the stock optimizer with compression=TernGrad(...) cannot:
+- Buckets: coded gradients are grouped (in backward order) into buckets of about `bucket_bytes`; a
+  bucket shares its scalers in one Max allreduce and sends its codes in one allgather, so a model with many
+  small tensors pays one latency per bucket, not two per tensor.
+- No blocking in backward: the scaler allreduce is asynchronous; later hooks poll it and start the
+  bucket's allgather as soon as it is done, overlapping coding and communication with the backward pass.
+- It owns the step, so on_nonfinite="skip" can skip the update on every rank.
+
+Results equal the stock path bit for bit for the same seed and names (the codes of a tensor depend only on
+seed, step, rank, tensor name and the shared scaler). With one rank, like the stock optimizer, it does not
+touch the gradients.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import horovod.torch as hvd
+import torch
+
+from hvd_terngrad.compression import TernGrad
+from hvd_terngrad.engine import Item, NonFiniteGradientError
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+class _Bucket:
+    __slots__ = ("index", "params", "ready", "items", "state", "scaler_handle", "gather_handle")
+
+    def __init__(self, index: int, params: list):
+        self.index = index
+        self.params = params
+        self.reset()
+
+    def reset(self):
+        self.ready = set()
+        self.items: list[Item] = []
+        self.state = "idle"  # idle -> scaler -> gather -> idle
+        self.scaler_handle = None
+        self.gather_handle = None
+
+
+class _TernGradOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compression: TernGrad, backward_passes_per_step, process_set,
+                 bucket_bytes):
+        super(self.__class__, self).__init__(params)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(x, tuple) for x in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+                                 "produced by model.named_parameters()")
+        else:
+            named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(self.param_groups)
+                     for j, v in enumerate(g["params"])]
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+        named_ids = {id(v) for _, v in named}
+        unnamed = [p for p in all_params if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+
+        self._tg = compression
+        if compression._named is None:
+            compression._named = named
+        self._engine = compression.engine
+        self._transport = compression._transport
+        self._cfg = compression.config
+        in_opt = {id(p) for p in all_params}
+        self._named = [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad]
+        self._name_of = {p: n for n, p in self._named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {p: backward_passes_per_step for _, p in self._named}
+
+        # Buckets in reverse registration order, the usual order of backward.
+        self._float_params = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of = {}
+        cur, cur_bytes = [], 0
+        for n, p in reversed(self._named):
+            if not self._cfg.compresses(n, p.numel()):
+                self._float_params.append(p)
+                continue
+            cur.append(p)
+            cur_bytes += p.numel() * p.element_size()
+            if cur_bytes >= bucket_bytes:
+                self._buckets.append(_Bucket(len(self._buckets), cur))
+                cur, cur_bytes = [], 0
+        if cur:
+            self._buckets.append(_Bucket(len(self._buckets), cur))
+        for b in self._buckets:
+            for p in b.params:
+                self._bucket_of[p] = b
+
+        self._float_handles = {}
+        self._fired = set()
+        self._skip_next_step = False
+        self._synchronized = False
+        self._should_synchronize = True
+        self._grad_accs = []
+        if self._engine.size > 1:
+            self._register_hooks()
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def terngrad_stats(self):
+        return self._engine.stats
+
+    def _register_hooks(self):
+        for _, p in self._named:
+            p_tmp = p.expand_as(p)
+            grad_acc = p_tmp.grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._make_hook(p))
+            self._grad_accs.append(grad_acc)
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if self._delay[p] <= 0:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            self._delay[p] -= 1
+            if self._delay[p] == 0:
+                self._ready(p)
+                self._progress()
+        return hook
+
+    def _ready(self, p):
+        self._fired.add(p)
+        name = self._name_of[p]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        self._engine.check_dtype(name, p.grad)
+        b = self._bucket_of.get(p)
+        if b is None:
+            self._engine.stats.add_float(p.grad.numel() * p.grad.element_size(), self._engine.size)
+            self._float_handles[p] = self._transport.average_async_(p.grad, name=f"terngrad.float.{name}")
+            return
+        b.ready.add(p)
+        if len(b.ready) == len(b.params):
+            b.items = [self._engine.prepare(self._name_of[q], q.grad) for q in b.params]
+            if self._cfg.share_scaler:
+                b.scaler_handle = self._transport.max_allreduce_async(self._engine.scaler_vector(b.items),
+                                                                      name=f"terngrad.scalers.{b.index}")
+                b.state = "scaler"
+            else:
+                self._send(b)
+
+    def _send(self, b: _Bucket, reduced=None):
+        if reduced is not None:
+            self._engine.apply_shared(b.items, reduced)
+        payload = self._engine.encode(b.items, device=b.items[0].flat.device)
+        b.gather_handle = self._transport.allgather_async(payload, name=f"terngrad.bucket.{b.index}")
+        b.state = "gather"
+
+    def _progress(self):
+        for b in self._buckets:
+            if b.state == "scaler" and self._transport.poll(b.scaler_handle):
+                self._send(b, self._transport.wait(b.scaler_handle))
+
+    # ------------------------------------------------------------------------------------------
+    def synchronize(self):
+        if self._engine.size <= 1:
+            self._synchronized = True
+            return
+        try:
+            for _, p in self._named:
+                if p not in self._fired:
+                    self._ready(p)
+            for b in self._buckets:
+                if b.state == "scaler":
+                    self._send(b, self._transport.wait(b.scaler_handle))
+            bad: list[Item] = []
+            for b in self._buckets:
+                gathered = self._transport.wait(b.gather_handle)
+                outs = self._engine.decode(b.items, gathered)
+                bad += self._engine.nonfinite(b.items)
+                for p, out in zip(b.params, outs):
+                    p.grad.copy_(out.view(p.grad.shape))
+            float_bad = []
+            for p, h in self._float_handles.items():
+                self._transport.wait(h)
+                if not bool(torch.isfinite(p.grad).all()):
+                    float_bad.append(self._name_of[p])
+        finally:
+            for b in self._buckets:
+                b.reset()
+            self._float_handles = {}
+            self._fired = set()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+            self._synchronized = True
+        step = self._engine.step
+        self._engine.next_step()
+        if bad or float_bad:
+            if self._cfg.on_nonfinite == "skip":
+                self._skip_next_step = True
+                self._engine.stats.last.skipped = True
+                return
+            if bad:
+                self._engine.step = step  # name the step the error happened in
+                try:
+                    self._engine.raise_nonfinite(bad)
+                finally:
+                    self._engine.step = step + 1
+            raise NonFiniteGradientError(
+                f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} (a float pass-through "
+                f"tensor) at step {step} on rank {self._engine.rank}; every rank sees the same average")
+
+    @contextmanager
+    def skip_synchronize(self):
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        if self._skip_next_step:
+            self._skip_next_step = False
+            return None
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._fired or any(b.state != "idle" for b in self._buckets):
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
+                                 "race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Wrap `optimizer` so that gradients are averaged across ranks as TernGrad ternary codes.
+
+    Same signature as hvd.DistributedOptimizer; compression must be an hvd_terngrad.TernGrad (default:
+    TernGrad() with the paper's options). op must be Average and gradient_predivide_factor 1.0;
+    num_groups and groups are replaced by bucket_bytes (the dense bytes per bucket of coded tensors).
+    """
+    if compression is None:
+        compression = TernGrad(named_parameters=None, process_set=process_set)
+    if not isinstance(compression, TernGrad):
+        raise ValueError("hvd_terngrad.DistributedOptimizer takes compression=hvd_terngrad.TernGrad(...); for "
+                         f"{type(compression).__name__} use hvd.DistributedOptimizer")
+    if op != hvd.Average:
+        raise ValueError("hvd_terngrad.DistributedOptimizer averages gradients (op=hvd.Average) only")
+    if gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor must be 1.0: TernGrad decodes the exact average")
+    if num_groups or groups:
+        raise ValueError("num_groups/groups are not used: hvd_terngrad buckets coded tensors itself (bucket_bytes=)")
+    if sparse_as_dense:
+        raise ValueError("sparse gradients are not supported by hvd_terngrad.DistributedOptimizer")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if compression._process_set is None:
+        compression._process_set = process_set
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_TernGradOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, process_set,
+               bucket_bytes)

@@ -1,0 +1,86 @@
+"""The on-wire record of one tensor from one rank (docs/wire-format.md, version 1).
+
+    offset size field
+    0      2    magic b"TG"
+    2      1    version (1)
+    3      1    flags: bit 0 scaler shared across ranks, bit 1 non-finite input (codes all zero)
+    4      4    tag: uint32 LE, CRC-32 of "name|shape|dtype"
+    8      8    numel: uint64 LE
+    16     4    scaler: float32 LE
+    20     4    step: uint32 LE (low 32 bits of the optimizer step)
+    24     ...  ceil(numel / 4) bytes of packed 2-bit codes, then zero bytes up to a multiple of 8
+
+A rank's payload is its records back to back; an allgather concatenates the ranks' payloads in rank order.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"TG"
+VERSION = 1
+FLAG_SHARED = 1
+FLAG_NONFINITE = 2
+HEADER = struct.Struct("<2sBBIQfI")
+HEADER_SIZE = HEADER.size  # 24
+
+
+def codes_size(numel: int) -> int:
+    return (numel + 3) // 4
+
+
+def record_size(numel: int) -> int:
+    return HEADER_SIZE + (codes_size(numel) + 7) // 8 * 8
+
+
+@dataclass(frozen=True)
+class Header:
+    flags: int
+    tag: int
+    numel: int
+    scaler: float
+    step: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.flags, self.tag, self.numel, self.scaler, self.step & 0xFFFFFFFF)
+
+
+class PayloadMismatch(RuntimeError):
+    """Ranks sent records that do not belong together: another tensor, size, step or format."""
+
+
+def write_header(record: torch.Tensor, header: Header) -> None:
+    """Write header bytes into the first HEADER_SIZE bytes of a uint8 record view."""
+    raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+    record[:HEADER_SIZE].copy_(raw, non_blocking=False)
+
+
+def zero_padding(record: torch.Tensor, numel: int) -> None:
+    start = HEADER_SIZE + codes_size(numel)
+    if start < record.numel():
+        record[start:].zero_()
+
+
+def parse_header(raw: bytes) -> tuple[bytes, int, Header]:
+    magic, version, flags, tag, numel, scaler, step = HEADER.unpack(raw)
+    return magic, version, Header(flags, tag, numel, scaler, step)
+
+
+def check_header(raw: bytes, *, name: str, src_rank: int, my_rank: int, tag: int, numel: int, step: int) -> Header:
+    """Validate one received header against what this rank expects; raise PayloadMismatch otherwise."""
+    magic, version, h = parse_header(raw)
+    where = f"tensor {name!r}: the record from rank {src_rank} (checked on rank {my_rank})"
+    if magic != MAGIC:
+        raise PayloadMismatch(f"{where} has no TernGrad magic ({magic!r}): corrupt payload or a rank not "
+                              f"running TernGrad")
+    if version != VERSION:
+        raise PayloadMismatch(f"{where} has wire-format version {version}, this rank speaks {VERSION}")
+    if h.numel != numel or h.tag != tag:
+        raise PayloadMismatch(f"{where} is another tensor (numel {h.numel}, tag {h.tag:#010x}; expected numel "
+                              f"{numel}, tag {tag:#010x}): the ranks disagree on tensor order, names or shapes")
+    if h.step != step & 0xFFFFFFFF:
+        raise PayloadMismatch(f"{where} is from step {h.step}, this rank is at step {step & 0xFFFFFFFF}: "
+                              f"ranks are out of step")
+    return h
