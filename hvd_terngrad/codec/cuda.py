@@ -1,0 +1,116 @@
+"""GPU backend: CuPy RawKernels (terngrad_kernels.cu beside this file) on torch CUDA tensors, zero copy.
+
+torch tensors are wrapped as CuPy arrays over the same device memory (no copy), and the kernels run on
+torch's current stream. Without CuPy this module still imports; available() is then False and the
+dispatcher in codec/__init__.py never picks it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:  # CuPy is optional: everything on the CPU works without it
+    import cupy as cp
+except ImportError:  # pragma: no cover - depends on the machine
+    cp = None
+
+SOURCE = Path(__file__).with_name("terngrad_kernels.cu")
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
+_CUPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.uint16,
+               torch.bfloat16: np.uint16, torch.uint8: np.uint8}
+_THREADS = 256
+_STAT_BLOCKS = 1024
+_module = None
+
+
+def available() -> bool:
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+def _kernels():
+    global _module
+    if cp is None:
+        raise RuntimeError("the CUDA codec backend needs CuPy (pip install cupy-cuda12x)")
+    if _module is None:
+        _module = cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
+    return _module
+
+
+def _wrap(t: torch.Tensor):
+    """A CuPy view of a contiguous torch CUDA tensor (same memory, no copy)."""
+    mem = cp.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, device_id=t.device.index)
+    return cp.ndarray((t.numel(),), dtype=_CUPY_DTYPE[t.dtype], memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+class _OnTorchStream:
+    def __init__(self, t: torch.Tensor):
+        self.dev = cp.cuda.Device(t.device.index)
+        self.stream = cp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream, t.device.index)
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.dev.__exit__(*exc)
+
+
+def stats(x: torch.Tensor) -> tuple[float, float, float, int]:
+    n = x.numel()
+    if n == 0:
+        return 0.0, 0.0, 0.0, 0
+    big = float(np.finfo(np.float64 if x.dtype == torch.float64 else np.float32).max)
+    blocks = min(_STAT_BLOCKS, (n + _THREADS - 1) // _THREADS)
+    chunk = (n + blocks - 1) // blocks
+    with _OnTorchStream(x):
+        ps, pq, pm = (cp.empty(blocks, dtype=cp.float64) for _ in range(3))
+        pb = cp.empty(blocks, dtype=cp.uint64)
+        k = _kernels().get_function(f"tg_stats_partial_{_SUFFIX[x.dtype]}")
+        k((blocks,), (_THREADS,), (_wrap(x), np.int64(n), np.int64(chunk), np.float64(big), ps, pq, pm, pb))
+        s_, q_, m_, b_ = ps.get(), pq.get(), pm.get(), pb.get()
+    x0 = float(x[0].item())
+    s = q = 0.0
+    for i in range(blocks):  # block order: deterministic on a given device
+        s += float(s_[i])
+        q += float(q_[i])
+    md = s / n
+    var = max(0.0, q / n - md * md)
+    return x0 + md, var ** 0.5, float(m_.max()), int(b_.sum())
+
+
+def ternarize_pack(x: torch.Tensor, scaler: float, key, out: torch.Tensor) -> None:
+    n = x.numel()
+    if n == 0:
+        return
+    nblk = (n + 7) // 8
+    s17 = np.float32(scaler) * np.float32(2.0**-17)
+    with _OnTorchStream(x):
+        k = _kernels().get_function(f"tg_ternarize_pack_{_SUFFIX[x.dtype]}")
+        k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (_wrap(x), np.int64(n), np.float32(s17), np.uint32(key.seed & 0xFFFFFFFF), np.uint32(key.seed >> 32),
+           np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step), _wrap(out)))
+
+
+def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor) -> bool:
+    if n == 0:
+        return True
+    nr = len(codes)
+    weights = np.array([np.float32(s) / np.float32(nr) for s in scalers], dtype=np.float32)
+    post = np.float32(scalers[0]) / np.float32(nr)
+    nbytes = (n + 3) // 4
+    with _OnTorchStream(out):
+        ptrs = cp.asarray(np.array([c.data_ptr() for c in codes], dtype=np.uint64))
+        w = cp.asarray(weights)
+        bad = cp.zeros(1, dtype=cp.int32)
+        k = _kernels().get_function("tg_decode_sum")
+        k(((nbytes + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (ptrs, np.int32(nr), w, np.int32(int(shared)), np.float32(post), np.int64(n), _wrap(out), bad))
+        return int(bad.get()[0]) == 0

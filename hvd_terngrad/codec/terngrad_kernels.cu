@@ -1,0 +1,163 @@
+// hvd_terngrad GPU kernels, compiled at run time by CuPy (NVRTC) and in the tests by nvcc.
+// Same contract as csrc/terngrad.h and docs/wire-format.md: for the same inputs the packed bytes equal
+// the CPU kernels' and the torch reference's. No headers, so NVRTC needs no include path.
+//
+// Element types: f32 = float, f64 = double, f16 and bf16 = raw unsigned short widened by bit operations.
+
+#define TG_PHILOX_M0 0xD2511F53u
+#define TG_PHILOX_M1 0xCD9E8D57u
+#define TG_PHILOX_W0 0x9E3779B9u
+#define TG_PHILOX_W1 0xBB67AE85u
+
+__device__ __forceinline__ void tg_philox(unsigned int c[4], unsigned int k0, unsigned int k1) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const unsigned int hi0 = __umulhi(TG_PHILOX_M0, c[0]), lo0 = TG_PHILOX_M0 * c[0];
+    const unsigned int hi1 = __umulhi(TG_PHILOX_M1, c[2]), lo1 = TG_PHILOX_M1 * c[2];
+    const unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    k0 += TG_PHILOX_W0;
+    k1 += TG_PHILOX_W1;
+  }
+}
+
+__device__ __forceinline__ float tg_half_to_float(unsigned short h) {
+  const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+  unsigned int exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    int e = -1;
+    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+    bits = sign | ((unsigned int)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ float tg_load_f(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float tg_load_f(const double* p, long long i) { return __double2float_rn(p[i]); }
+__device__ __forceinline__ double tg_load_d(const float* p, long long i) { return (double)p[i]; }
+__device__ __forceinline__ double tg_load_d(const double* p, long long i) { return p[i]; }
+
+struct tg_f16 { unsigned short v; };
+struct tg_bf16 { unsigned short v; };
+__device__ __forceinline__ float tg_load_f(const tg_f16* p, long long i) { return tg_half_to_float(p[i].v); }
+__device__ __forceinline__ float tg_load_f(const tg_bf16* p, long long i) {
+  return __uint_as_float((unsigned int)p[i].v << 16);
+}
+__device__ __forceinline__ double tg_load_d(const tg_f16* p, long long i) { return (double)tg_load_f(p, i); }
+__device__ __forceinline__ double tg_load_d(const tg_bf16* p, long long i) { return (double)tg_load_f(p, i); }
+
+// ---------------------------------------------------------------------------------------------------
+// Statistics: each block reduces a contiguous chunk to (sum(x - x0), sum((x - x0)^2), max|x|, #non-finite)
+// in double; the host adds the per-block partials in block order.
+template <typename T>
+__device__ void tg_stats_partial_impl(const T* x, long long n, long long chunk, double big, double* psum,
+                                      double* psq, double* pmax, unsigned long long* pbad) {
+  __shared__ double s_sum[256], s_sq[256], s_max[256];
+  __shared__ unsigned long long s_bad[256];
+  const double x0 = tg_load_d(x, 0);
+  const long long begin = (long long)blockIdx.x * chunk;
+  const long long end = min(n, begin + chunk);
+  double sum = 0, sq = 0, mx = 0;
+  unsigned long long bad = 0;
+  for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const double v = tg_load_d(x, i), a = fabs(v), d = v - x0;
+    sum = __dadd_rn(sum, d);
+    sq = __dadd_rn(sq, __dmul_rn(d, d));
+    mx = a > mx ? a : mx;
+    bad += !(a <= big);
+  }
+  s_sum[threadIdx.x] = sum; s_sq[threadIdx.x] = sq; s_max[threadIdx.x] = mx; s_bad[threadIdx.x] = bad;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) {
+      s_sum[threadIdx.x] += s_sum[threadIdx.x + w];
+      s_sq[threadIdx.x] += s_sq[threadIdx.x + w];
+      s_max[threadIdx.x] = s_max[threadIdx.x + w] > s_max[threadIdx.x] ? s_max[threadIdx.x + w] : s_max[threadIdx.x];
+      s_bad[threadIdx.x] += s_bad[threadIdx.x + w];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    psum[blockIdx.x] = s_sum[0]; psq[blockIdx.x] = s_sq[0]; pmax[blockIdx.x] = s_max[0]; pbad[blockIdx.x] = s_bad[0];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Ternarize + pack: one thread per Philox block j, i.e. elements 8j .. 8j+7 and output bytes 2j, 2j+1.
+template <typename T>
+__device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m17, unsigned int k0, unsigned int k1,
+                                       unsigned int c1_hi, unsigned int tensor_id, unsigned int step,
+                                       unsigned char* out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (8 * j >= n) return;
+  unsigned int c[4] = {(unsigned int)j, (unsigned int)(((unsigned long long)j >> 32) & 0xffffu) | c1_hi, tensor_id,
+                       step};
+  tg_philox(c, k0, k1);
+  unsigned int bits = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const long long i = 8 * j + k;
+    if (i < n) {
+      const unsigned int h = (c[k / 2] >> (16 * (k % 2))) & 0xffffu;
+      const float t = __fmul_rn((float)(2 * h + 1), scaler_2m17);
+      const float xf = tg_load_f(x, i);
+      if (t < fabsf(xf)) bits |= ((__float_as_uint(xf) >> 31) ? 2u : 1u) << (2 * k);
+    }
+  }
+  out[2 * j] = (unsigned char)(bits & 0xffu);
+  if (8 * j + 4 < n) out[2 * j + 1] = (unsigned char)(bits >> 8);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Decode: one thread per code byte (4 elements); codes[r] points at rank r's codes.
+extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nranks, const float* weights,
+                                         int shared, float post, long long n, float* out, int* bad) {
+  const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long nbytes = (n + 3) / 4;
+  if (k >= nbytes) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  unsigned int badbits = 0;
+  for (int r = 0; r < nranks; ++r) {
+    const unsigned char byte = ((const unsigned char*)codes[r])[k];
+    badbits |= byte & (byte >> 1) & 0x55u;
+    if (k == nbytes - 1 && (n % 4)) badbits |= byte >> (2 * (n % 4));
+    const float w = shared ? 1.0f : weights[r];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned int c = (byte >> (2 * q)) & 3u;
+      const float v = c == 1u ? 1.0f : (c == 2u ? -1.0f : 0.0f);
+      acc[q] = r == 0 ? __fmul_rn(v, w) : __fadd_rn(acc[q], __fmul_rn(v, w));
+    }
+  }
+  if (badbits) atomicOr(bad, 1);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const long long i = 4 * k + q;
+    if (i < n) out[i] = shared ? __fmul_rn(acc[q], post) : acc[q];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+#define TG_INSTANTIATE(SUFFIX, T)                                                                              \
+  extern "C" __global__ void tg_stats_partial_##SUFFIX(const T* x, long long n, long long chunk, double big,     \
+                                                       double* psum, double* psq, double* pmax,                 \
+                                                       unsigned long long* pbad) {                              \
+    tg_stats_partial_impl<T>(x, n, chunk, big, psum, psq, pmax, pbad);                                         \
+  }                                                                                                            \
+  extern "C" __global__ void tg_ternarize_pack_##SUFFIX(const T* x, long long n, float scaler_2m17,             \
+                                                        unsigned int k0, unsigned int k1, unsigned int c1_hi,   \
+                                                        unsigned int tensor_id, unsigned int step,              \
+                                                        unsigned char* out) {                                   \
+    tg_ternarize_pack_impl<T>(x, n, scaler_2m17, k0, k1, c1_hi, tensor_id, step, out);                         \
+  }
+
+TG_INSTANTIATE(f32, float)
+TG_INSTANTIATE(f64, double)
+TG_INSTANTIATE(f16, tg_f16)
+TG_INSTANTIATE(bf16, tg_bf16)

@@ -1,0 +1,69 @@
+// Runs the GPU kernels of hvd_terngrad/codec/terngrad_kernels.cu on the host, thread by thread, so that
+// machines without a GPU still check their bytes against the reference. Built by tests/test_cuda_emulated.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct tg_dim3 { unsigned x = 0; };
+static tg_dim3 blockIdx, threadIdx, blockDim;
+static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float __double2float_rn(double d) { return (float)d; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline int atomicOr(int* p, int v) { const int o = *p; *p |= v; return o; }
+static inline void __syncthreads() {}
+using std::min;
+
+#include "../../hvd_terngrad/codec/terngrad_kernels.cu"
+
+static void grid(long long threads, void (*body)(void*), void* arg) {
+  blockDim.x = 256;
+  for (long long t = 0; t < threads; ++t) {
+    blockIdx.x = (unsigned)(t / 256);
+    threadIdx.x = (unsigned)(t % 256);
+    body(arg);
+  }
+}
+
+struct TernArgs { int dt; const void* x; long long n; float s17; unsigned k0, k1, c1, tid, step; unsigned char* out; };
+static void tern_body(void* p) {
+  auto* a = static_cast<TernArgs*>(p);
+  switch (a->dt) {
+    case 0: tg_ternarize_pack_f32((const float*)a->x, a->n, a->s17, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 1: tg_ternarize_pack_f64((const double*)a->x, a->n, a->s17, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 2: tg_ternarize_pack_f16((const tg_f16*)a->x, a->n, a->s17, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 3: tg_ternarize_pack_bf16((const tg_bf16*)a->x, a->n, a->s17, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+  }
+}
+
+struct DecArgs { const unsigned long long* codes; int nranks; const float* w; int shared; float post; long long n; float* out; int* bad; };
+static void dec_body(void* p) {
+  auto* a = static_cast<DecArgs*>(p);
+  tg_decode_sum(a->codes, a->nranks, a->w, a->shared, a->post, a->n, a->out, a->bad);
+}
+
+extern "C" {
+void emu_ternarize(int dt, const void* x, long long n, float s17, unsigned k0, unsigned k1, unsigned c1, unsigned tid,
+                   unsigned step, unsigned char* out) {
+  TernArgs a{dt, x, n, s17, k0, k1, c1, tid, step, out};
+  const long long nblk = (n + 7) / 8;
+  grid((nblk + 255) / 256 * 256, tern_body, &a);
+}
+int emu_decode(const unsigned long long* codes, int nranks, const float* w, int shared, float post, long long n,
+               float* out) {
+  int bad = 0;
+  DecArgs a{codes, nranks, w, shared, post, n, out, &bad};
+  const long long nbytes = (n + 3) / 4;
+  grid((nbytes + 255) / 256 * 256, dec_body, &a);
+  return bad;
+}
+}

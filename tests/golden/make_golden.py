@@ -1,0 +1,48 @@
+"""Regenerate tests/golden/codec_v1.json from the torch reference (only when the wire format changes).
+
+    python tests/golden/make_golden.py
+"""
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from hvd_terngrad.codec import reference
+
+CASES = [
+    # name, n, dtype, scaler, seed, step, rank, tensor_id
+    ("f32_n13", 13, "float32", 0.9, 0, 0, 0, 0),
+    ("f32_n64_clip", 64, "float32", 0.5, 42, 7, 1, 0xDEADBEEF),
+    ("f32_n1000", 1000, "float32", 0.8, 2**63 + 12345, 2**32 - 1, 65535, 123456789),
+    ("f64_n37", 37, "float64", 0.7, 7, 3, 2, 99),
+    ("f16_n50", 50, "float16", 0.6, 9, 1, 3, 5),
+    ("bf16_n77", 77, "bfloat16", 0.75, 11, 2, 4, 6),
+    ("zeros_n9", 9, "float32", 0.0, 1, 1, 1, 1),
+]
+
+
+def golden_input(n: int, dtype: str) -> torch.Tensor:
+    """Deterministic, platform-independent input: a sine ramp with a few large values."""
+    vals = [math.sin(0.7 * i + 0.3) * (1.5 if i % 11 == 0 else 0.6) for i in range(n)]
+    if n == 9:
+        vals = [0.0] * n
+    return torch.tensor(vals, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def main():
+    out = {"wire_format_version": 1, "cases": []}
+    for name, n, dtype, scaler, seed, step, rank, tid in CASES:
+        x = golden_input(n, dtype)
+        packed = reference.ternarize_pack(x, scaler, seed, step, rank, tid)
+        mean, std, absmax, nonfinite = reference.stats(x)
+        out["cases"].append({"name": name, "n": n, "dtype": dtype, "scaler": scaler, "seed": seed, "step": step,
+                             "rank": rank, "tensor_id": tid, "packed_hex": bytes(packed.tolist()).hex(),
+                             "stats": [mean, std, absmax, nonfinite]})
+    path = Path(__file__).with_name("codec_v1.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

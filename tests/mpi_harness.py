@@ -1,0 +1,118 @@
+"""Run a test body as N real processes under mpirun or horovodrun and collect each rank's result.
+
+    from tests.mpi_harness import run_ranks
+    results = run_ranks("tests.test_x:body", np=2, timeout=60, args=(...))
+
+The body is a top-level function `body(*args)`; it runs in every rank and its return value (picklable)
+comes back in rank order. When any rank raises, run_ranks raises RankFailure with that rank's traceback
+and stderr. When the job outlives `timeout` seconds, the whole process group is killed and run_ranks
+raises RankTimeout, so a hung collective fails the test instead of hanging CI.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+class RankTimeout(AssertionError):
+    pass
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def launcher_cmd(np: int, launcher: str) -> list[str]:
+    root_flags = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    if launcher == "mpirun":
+        return ["mpirun", *root_flags, "--oversubscribe", "--bind-to", "none", "-np", str(np),
+                "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "HVD_TERNGRAD_THREADS", "-x", "PATH"]
+    if launcher == "horovodrun":
+        mpi_args = " ".join([*root_flags, "--oversubscribe", "--bind-to", "none"])
+        return [str(BIN / "horovodrun"), "-np", str(np), "--mpi", f"--mpi-args={mpi_args}"]
+    raise ValueError(f"unknown launcher {launcher!r}; allowed: mpirun, horovodrun")
+
+
+def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), launcher: str = "mpirun",
+              env: dict | None = None) -> list:
+    work = Path(tempfile.mkdtemp(prefix="hvdtg-ranks-"))
+    try:
+        (work / "spec.pkl").write_bytes(pickle.dumps({"target": target, "args": args}))
+        full_env = dict(os.environ)
+        full_env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+                         "OMP_NUM_THREADS": "1", "HVD_TERNGRAD_THREADS": "1",
+                         "PATH": f"{BIN}{os.pathsep}{full_env.get('PATH', '')}",
+                         "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+        full_env.update(env or {})
+        cmd = [*launcher_cmd(np, launcher), sys.executable, "-m", "tests._rank_main", str(work)]
+        t0 = time.monotonic()
+        with open(work / "launcher.log", "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill(proc, work)
+                raise RankTimeout(
+                    f"{target} on {np} ranks did not finish within {timeout:.0f} s; killed the job.\n"
+                    + _report(work, np)) from None
+        elapsed = time.monotonic() - t0
+        results = []
+        for r in range(np):
+            err = work / f"rank{r}.error"
+            if err.exists():
+                raise RankFailure(f"{target}: rank {r} of {np} failed:\n{err.read_text()}\n" + _report(work, np))
+            res = work / f"rank{r}.result"
+            if not res.exists():
+                raise RankFailure(f"{target}: rank {r} of {np} returned no result (launcher exit {rc}, "
+                                  f"{elapsed:.1f} s)\n" + _report(work, np))
+            results.append(pickle.loads(res.read_bytes()))
+        if rc != 0:
+            raise RankFailure(f"{target}: launcher exited {rc} although every rank returned\n" + _report(work, np))
+        return results
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen, work: Path) -> None:
+    pids = []
+    for f in work.glob("rank*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(f.read_text()))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        try:
+            proc.wait(timeout=3)
+            if sig == signal.SIGTERM:
+                time.sleep(0.2)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _report(work: Path, np: int) -> str:
+    parts = [f"--- launcher ---\n{_tail(work / 'launcher.log', 1500)}"]
+    for r in range(np):
+        parts.append(f"--- rank {r} stderr ---\n{_tail(work / f'rank{r}.stderr')}")
+    return "\n".join(parts)

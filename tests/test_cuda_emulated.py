@@ -1,0 +1,73 @@
+"""The CUDA kernels' logic, run on the host: terngrad_kernels.cu compiled by g++ with a small shim
+(tests/cuda_emul/emulate.cpp) that plays the grid thread by thread. Machines without a GPU thereby still
+check that the GPU kernels write the reference's bytes; a GPU session runs benchmarks/gpu_check.py too."""
+import ctypes
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_terngrad import codec
+from hvd_terngrad.codec import reference
+from tests.golden.make_golden import golden_input
+
+HERE = Path(__file__).parent
+GOLDEN = json.loads((HERE / "golden" / "codec_v1.json").read_text())
+DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ is not installed")
+    so = tmp_path_factory.mktemp("emu") / "emu.so"
+    subprocess.run([cxx, "-O1", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared", "-fPIC",
+                    "-o", str(so), str(HERE / "cuda_emul" / "emulate.cpp")], check=True, timeout=300)
+    lib = ctypes.CDLL(str(so))
+    u32 = ctypes.c_uint32
+    lib.emu_ternarize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float, u32, u32, u32, u32,
+                                  u32, ctypes.c_void_p]
+    lib.emu_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                               ctypes.c_longlong, ctypes.c_void_p]
+    return lib
+
+
+def gpu_ternarize(lib, x, scaler, key):
+    x = x.contiguous()
+    out = torch.zeros((x.numel() + 3) // 4, dtype=torch.uint8)
+    s17 = np.float32(scaler) * np.float32(2.0**-17)
+    lib.emu_ternarize(DT[x.dtype], x.data_ptr(), x.numel(), float(s17), key.seed & 0xFFFFFFFF, key.seed >> 32,
+                      key.rank << 16, key.tensor_id, key.step, out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["name"])
+def test_gpu_kernel_golden_vectors(emu, case):
+    x = golden_input(case["n"], case["dtype"])
+    key = codec.RngKey(case["seed"], case["step"], case["rank"], case["tensor_id"])
+    assert bytes(gpu_ternarize(emu, x, case["scaler"], key).tolist()).hex() == case["packed_hex"]
+
+
+@pytest.mark.parametrize("dtype", list(DT))
+@pytest.mark.parametrize("n", [1, 5, 8, 9, 1000, 4099])
+def test_gpu_kernels_match_reference(emu, dtype, n):
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 0.02).to(dtype)
+    key = codec.RngKey(99, 3, 2, 0x1234)
+    a = gpu_ternarize(emu, x, 0.03, key)
+    b = reference.ternarize_pack(x, 0.03, 99, 3, 2, 0x1234)
+    assert torch.equal(a, b)
+    c = gpu_ternarize(emu, x, 0.01, key)
+    for shared, scalers in ((True, [0.03, 0.03]), (False, [0.03, 0.01])):
+        ptrs = np.array([a.data_ptr(), c.data_ptr()], dtype=np.uint64)
+        w = np.array([np.float32(s) / np.float32(2) for s in scalers], dtype=np.float32)
+        out = torch.empty(n, dtype=torch.float32)
+        post = float(np.float32(scalers[0]) / np.float32(2))
+        bad = emu.emu_decode(ptrs.ctypes.data, 2, w.ctypes.data, int(shared), post, n, out.data_ptr())
+        ref, ok = reference.decode_sum([a, c], scalers, shared, n)
+        assert bad == 0 and ok
+        assert torch.equal(out, ref)
