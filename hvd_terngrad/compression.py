@@ -51,8 +51,6 @@ class TernGrad(Compressor):
             raise ValueError("pass either config= or keyword options, not both")
         self.config = config if config is not None else TernGradConfig(**options)
         self._named = list(named_parameters) if named_parameters is not None else None
-        if self.config.exclude and self._named is None:
-            raise ValueError("exclude= matches parameter names: pass named_parameters to TernGrad(...)")
         self._process_set = process_set
         self._engine: TernGradEngine | None = None
         self._transport: HorovodTransport | None = None
@@ -93,6 +91,9 @@ class TernGrad(Compressor):
         if self.config.on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "
                              "optimizer step; the stock hvd.DistributedOptimizer can only raise")
+        if self.config.exclude and self._named is None:
+            raise ValueError("exclude= matches parameter names: with the stock hvd.DistributedOptimizer pass "
+                             "named_parameters to TernGrad(model.named_parameters(), ...)")
         name = self._name_of(tensor)
         self._calls += 1
         eng.check_dtype(name, tensor)

@@ -63,6 +63,7 @@ class TernGradEngine:
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self.stats = StatsRecorder()
+        self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
 
     # ------------------------------------------------------------------------------------------
     def next_step(self) -> None:
@@ -141,6 +142,7 @@ class TernGradEngine:
             off = 0
             for it in items:
                 it.offset = off
+                self.scalers_used[it.name] = it.scaler
                 rec = payload[off: off + wire.record_size(it.numel)]
                 mine_bad = it.nonfinite_rank == self.rank or (not shared and it.nonfinite_rank >= 0)
                 flags = (wire.FLAG_SHARED if shared else 0) | (wire.FLAG_NONFINITE if mine_bad else 0)

@@ -1,0 +1,33 @@
+# hvd_terngrad: the two commands of the README, and a few helpers.
+#   make train   install what is missing, then the 2-worker digits training (FP32, then TernGrad)
+#   make test    install what is missing, then lint and the full test suite
+SHELL := /bin/bash
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+NP ?= 2
+
+.PHONY: install train test lint bench-codec bench-fidelity clean
+
+install:
+	@bash scripts/install.sh
+
+train: install
+	@timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) examples/train_digits.py
+
+lint: install
+	@$(VENV)/bin/ruff check .
+
+test: install
+	@$(VENV)/bin/ruff check .
+	@$(PY) -m pytest tests -q -ra --timeout 600
+
+bench-codec: install
+	@$(PY) benchmarks/codec_bench.py
+
+bench-fidelity: install
+	@timeout 1800 $(VENV)/bin/horovodrun -np 4 $(PY) benchmarks/fidelity.py
+
+clean:
+	rm -rf build hvd_terngrad/*.so *.egg-info
