@@ -1,0 +1,205 @@
+"""Codec throughput, side by side in one run: GB/s of fp32 gradient, higher is better.
+
+    python benchmarks/codec_bench.py [--sizes 1M,16M,64M] [--json out.json]
+
+Encode = ternarize + pack (the scaler given); stats is the separate statistics pass. Baselines:
+- memcpy: a single-thread numpy copy of the same fp32 array (the memory-bound ceiling of one core);
+- torch-ops: a GRACE-style codec in torch ops (flatten, std, clamp, rand, compare, sign, cast to int8),
+  the usual way TernGrad is written in Python; it keeps one int8 per element (no 2-bit packing);
+- numpy: a naive numpy ternarizer with 2-bit packing.
+Decode = the average of 4 ranks' codes into one fp32 tensor (GB/s of fp32 output).
+With a CUDA device (and CuPy) a GPU section adds the device-to-device copy and checks CPU/GPU bit identity.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+import torch
+
+from hvd_terngrad import codec
+from hvd_terngrad.codec import cpu as cpu_backend
+
+RANKS = 4
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def timeit(fn, min_time=0.3, min_reps=3, max_reps=50) -> float:
+    fn()  # warm up
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        el = time.perf_counter() - t0
+        if reps >= max_reps or (reps >= min_reps and el >= min_time):
+            return el / reps
+
+
+# ---------------------------------------------------------------------------------------------
+def grace_compress(t: torch.Tensor):
+    t = t.flatten()
+    std = torch.sqrt(torch.mean((t - torch.mean(t)) ** 2))
+    c = 2.5 * std.item()
+    g = torch.clamp(t, -c, c)
+    a = g.abs()
+    scalar = a.max()
+    sign = g.sign() * scalar
+    rnd = torch.empty_like(t).uniform_(0, scalar.item())
+    sign[rnd >= a] = 0
+    return sign.sign().type(torch.int8), scalar
+
+
+def grace_decode(codes: list[torch.Tensor], scalars: list[torch.Tensor]) -> torch.Tensor:
+    out = codes[0].float() * scalars[0]
+    for c, s in zip(codes[1:], scalars[1:]):
+        out += c.float() * s
+    return out / len(codes)
+
+
+def numpy_encode(x: np.ndarray, s: float, rng: np.random.Generator) -> np.ndarray:
+    p = np.abs(x) / s
+    keep = rng.random(x.size, dtype=np.float32) < p
+    codes = np.where(keep, np.where(x < 0, 2, 1), 0).astype(np.uint8)
+    codes = np.concatenate([codes, np.zeros((-codes.size) % 4, np.uint8)]).reshape(-1, 4)
+    return codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6
+
+
+def numpy_decode(packed: list[np.ndarray], scalers: list[float], n: int) -> np.ndarray:
+    out = np.zeros(n, np.float32)
+    for p, s in zip(packed, scalers):
+        c = np.stack([(p >> (2 * w)) & 3 for w in range(4)], axis=1).reshape(-1)[:n]
+        out += ((c == 1).astype(np.float32) - (c == 2).astype(np.float32)) * np.float32(s)
+    return out / len(packed)
+
+
+# ---------------------------------------------------------------------------------------------
+def cpu_rows(n: int, threads: list[int]) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * 0.01
+    xa = x.numpy()
+    ya = np.empty_like(xa)
+    gb = 4 * n / 1e9
+    t_memcpy = timeit(lambda: np.copyto(ya, xa))
+    s = float(np.float32(2.5 * float(x.std())))
+    key = codec.RngKey(1, 2, 3, 4)
+    out = torch.empty((n + 3) // 4, dtype=torch.uint8)
+    codes = [codec.ternarize_pack(x, s, codec.RngKey(1, 2, r, 4)) for r in range(RANKS)]
+    dec = torch.empty(n, dtype=torch.float32)
+    rows = []
+    for nt in threads:
+        torch.set_num_threads(nt)
+        t_enc = timeit(lambda nt=nt: codec.ternarize_pack(x, s, key, out=out, backend="cpu", nthreads=nt))
+        t_stats = timeit(lambda nt=nt: codec.stats(x, backend="cpu", nthreads=nt))
+        t_dec = timeit(lambda nt=nt: codec.decode_sum(codes, [s] * RANKS, True, n, out=dec, backend="cpu",
+                                                       nthreads=nt))
+        t_grace = timeit(lambda: grace_compress(x), min_reps=2, max_reps=5)
+        gc = [grace_compress(x) for _ in range(RANKS)]
+        t_grace_dec = timeit(lambda gc=gc: grace_decode([c for c, _ in gc], [v for _, v in gc]), min_reps=2,
+                             max_reps=5)
+        rows.append({"n": n, "threads": nt, "memcpy_1t": gb / t_memcpy, "encode": gb / t_enc, "stats": gb / t_stats,
+                     "decode": gb / t_dec, "torch_ops_encode": gb / t_grace, "torch_ops_decode": gb / t_grace_dec})
+    torch.set_num_threads(max(threads))
+    rng = np.random.default_rng(0)
+    t_np = timeit(lambda: numpy_encode(xa, s, rng), min_reps=1, max_reps=3, min_time=0.0)
+    npc = [numpy_encode(xa, s, rng) for _ in range(RANKS)]
+    t_np_dec = timeit(lambda: numpy_decode(npc, [s] * RANKS, n), min_reps=1, max_reps=3, min_time=0.0)
+    for r in rows:
+        r["numpy_encode"] = gb / t_np
+        r["numpy_decode"] = gb / t_np_dec
+    return rows
+
+
+def _cuda_time(fn, reps=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def gpu_row(n: int) -> dict:
+    x = torch.randn(n, device="cuda") * 0.01
+    y = torch.empty_like(x)
+    s = float(np.float32(2.5 * float(x.std())))
+    key = codec.RngKey(1, 2, 3, 4)
+    out = torch.empty((n + 3) // 4, dtype=torch.uint8, device="cuda")
+    codes = [codec.ternarize_pack(x, s, codec.RngKey(1, 2, r, 4)) for r in range(RANKS)]
+    dec = torch.empty(n, device="cuda")
+    gb = 4 * n / 1e9
+    t_copy = _cuda_time(lambda: y.copy_(x))
+    t_enc = _cuda_time(lambda: codec.ternarize_pack(x, s, key, out=out, backend="cuda"))
+    t_dec = _cuda_time(lambda: codec.decode_sum(codes, [s] * RANKS, True, n, out=dec, backend="cuda"))
+    same = torch.equal(out.cpu(), codec.ternarize_pack(x.cpu(), s, key, backend="cpu"))
+    dec_same = torch.equal(dec.cpu(), codec.decode_sum([c.cpu() for c in codes], [s] * RANKS, True, n, backend="cpu"))
+    # GB/s of fp32 input, like the CPU rows (the copy itself moves twice that)
+    return {"n": n, "d2d_copy": gb / t_copy, "encode": gb / t_enc, "decode": gb / t_dec,
+            "encode_vs_copy": t_copy / t_enc, "codes_bit_identical_to_cpu": same,
+            "decode_bit_identical_to_cpu": dec_same, "device": torch.cuda.get_device_name()}
+
+
+def gpu_rows(sizes: list[int]) -> list[dict]:
+    from hvd_terngrad.codec import cuda as cuda_backend
+
+    if not (torch.cuda.is_available() and cuda_backend.available()):
+        return []
+    return [gpu_row(n) for n in sizes]
+
+
+def fmt_size(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else str(n)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M")
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    allt = os.cpu_count() or 1
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, allt})
+    print(f"hvd_terngrad codec benchmark: {platform.processor() or platform.machine()}, {allt} cores, "
+          f"SIMD level {cpu_backend.simd_level()}, torch {torch.__version__}, numpy {np.__version__}")
+    print("GB/s of fp32 gradient (decode: of fp32 output, average of 4 ranks); ratios are ours / baseline\n")
+    hdr = ("| n | threads | memcpy 1t | encode | stats | decode | torch-ops enc | torch-ops dec | numpy enc | "
+           "numpy dec | enc/memcpy | enc/torch-ops | dec/torch-ops |")
+    print(hdr)
+    print("|---:" * (hdr.count("|") - 1) + "|")
+    rows = []
+    for n in sizes:
+        for r in cpu_rows(n, threads):
+            rows.append(r)
+            print(f"| {fmt_size(n)} | {r['threads']} | {r['memcpy_1t']:.2f} | {r['encode']:.2f} | {r['stats']:.2f} | "
+                  f"{r['decode']:.2f} | {r['torch_ops_encode']:.3f} | {r['torch_ops_decode']:.3f} | "
+                  f"{r['numpy_encode']:.3f} | {r['numpy_decode']:.3f} | {r['encode'] / r['memcpy_1t']:.2f}x | "
+                  f"{r['encode'] / r['torch_ops_encode']:.0f}x | {r['decode'] / r['torch_ops_decode']:.0f}x |",
+                  flush=True)
+    g = gpu_rows(sizes)
+    if g:
+        print(f"\nGPU: {g[0]['device']}")
+        print("| n | d2d copy | encode | decode | encode/copy | codes = CPU | decode = CPU |")
+        print("|---:|---:|---:|---:|---:|---|---|")
+        for r in g:
+            print(f"| {fmt_size(r['n'])} | {r['d2d_copy']:.1f} | {r['encode']:.1f} | {r['decode']:.1f} | "
+                  f"{r['encode_vs_copy']:.2f}x | {r['codes_bit_identical_to_cpu']} | "
+                  f"{r['decode_bit_identical_to_cpu']} |")
+    else:
+        print("\nGPU: no CUDA device with CuPy here; the GPU rows need a machine with one.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": rows, "gpu": g}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Options are validated with messages that name the allowed values; records round-trip and are checked."""
+import struct
+
+import pytest
+import torch
+
+from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
+from hvd_terngrad.config import payload_tag
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"clip": -1.0}, "clip must be a finite number >= 0"),
+    ({"clip": float("nan")}, "clip"),
+    ({"min_numel": -5}, "min_numel must be an integer >= 0"),
+    ({"backend": "tpu"}, "allowed: auto, cpu, cuda, reference"),
+    ({"transport": "carrier-pigeon"}, "allowed: allgather"),
+    ({"on_nonfinite": "ignore"}, "allowed: raise, skip"),
+    ({"seed": -1}, "seed"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"exclude": (3,)}, "exclude"),
+])
+def test_invalid_options_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TernGradConfig(**kwargs)
+
+
+def test_policy_and_scaler_rule():
+    cfg = TernGradConfig(min_numel=10, exclude=("fc2.*",))
+    assert cfg.compresses("fc1.weight", 100)
+    assert not cfg.compresses("fc1.bias", 9)
+    assert not cfg.compresses("fc2.weight", 100)
+    st = codec.Stats(mean=0.0, std=1.0, absmax=10.0, nonfinite=0)
+    assert cfg.scaler(st) == 2.5
+    assert TernGradConfig(clip=0).scaler(st) == 10.0
+    assert cfg.scaler(codec.Stats(0.0, 1.0, 2.0, 0)) == 2.0  # max|g| < c * std: the smaller one
+    assert cfg.scaler(codec.Stats(0.5, 0.0, 0.5, 0)) == 0.5  # constant tensor: coded exactly
+
+
+def test_record_header_layout():
+    h = wire.Header(flags=wire.FLAG_SHARED, tag=0xDEADBEEF, numel=13, scaler=0.5, step=7)
+    raw = h.pack()
+    assert len(raw) == wire.HEADER_SIZE == 24
+    assert raw[:3] == b"TG\x01" and raw[3] == 1
+    assert struct.unpack("<IQfI", raw[4:]) == (0xDEADBEEF, 13, 0.5, 7)
+    assert wire.record_size(13) == 24 + 8 and wire.record_size(32) == 32 and wire.record_size(33) == 24 + 16
+
+
+def _engine_roundtrip(size, grads, share=True):
+    cfg = TernGradConfig(min_numel=1, share_scaler=share, seed=3)
+    engines = [TernGradEngine(cfg, r, size) for r in range(size)]
+    items = [[e.prepare(f"t{i}", g[r]) for i, g in enumerate(grads)] for r, e in enumerate(engines)]
+    if share:
+        vec = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(0).values
+        for e, it in zip(engines, items):
+            e.apply_shared(it, vec)
+    gathered = torch.cat([e.encode(it) for e, it in zip(engines, items)])
+    return engines, items, gathered
+
+
+def test_engine_decode_without_horovod():
+    g = [torch.randn(2, 1000), torch.randn(2, 37)]
+    engines, items, gathered = _engine_roundtrip(2, g)
+    outs = [e.decode(it, gathered) for e, it in zip(engines, items)]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    assert outs[0][0].shape == (1000,)
+
+
+def test_engine_detects_other_tensor_step_and_corruption():
+    g = [torch.randn(2, 1000)]
+    engines, items, gathered = _engine_roundtrip(2, g)
+    bad = gathered.clone()
+    rec = wire.record_size(1000)
+    bad[rec + 4] ^= 1  # rank 1's tag
+    with pytest.raises(wire.PayloadMismatch, match="from rank 1 .*another tensor"):
+        engines[0].decode(items[0], bad)
+    engines[0].step = 5
+    with pytest.raises(wire.PayloadMismatch, match="out of step"):
+        engines[0].decode(items[0], gathered)
+    engines[0].step = 0
+    bad = gathered.clone()
+    bad[wire.HEADER_SIZE] = 0xFF  # invalid codes
+    with pytest.raises(wire.PayloadMismatch, match="invalid ternary codes"):
+        engines[0].decode(items[0], bad)
+    with pytest.raises(wire.PayloadMismatch, match="disagree"):
+        engines[0].decode(items[0], gathered[:-8])
+
+
+def test_tags_differ_by_name_shape_dtype():
+    base = payload_tag("w", (4, 4), torch.float32)
+    assert base != payload_tag("v", (4, 4), torch.float32)
+    assert base != payload_tag("w", (16,), torch.float32)
+    assert base != payload_tag("w", (4, 4), torch.float16)
+
+
+def test_integer_and_complex_gradients_are_rejected_with_name_and_rank():
+    e = TernGradEngine(TernGradConfig(), 3, 4)
+    with pytest.raises(TypeError, match="'emb' on rank 3 has dtype torch.int64"):
+        e.prepare("emb", torch.ones(5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="complex64"):
+        e.prepare("z", torch.ones(5, dtype=torch.complex64))
