@@ -24,8 +24,11 @@ enum { TG_OK = 0, TG_EINVAL = -1, TG_EDTYPE = -2 };
 
 int tg_abi_version(void);
 
-// Which SIMD path the kernels use on this CPU: 0 scalar, 2 AVX2.
+// Which SIMD path the kernels use on this CPU: 0 scalar, 2 AVX2, 3 AVX-512 (F/BW/VL/DQ + BMI2).
 int tg_simd_level(void);
+
+// Cap the SIMD level (for tests and benchmarks); returns the level now in use.
+int tg_set_simd_level(int max_level);
 
 // Statistics pass, one read of x. out = {mean, std about the mean (population), max|x|, #non-finite}.
 // Deterministic: the summation order is fixed by 65536-element blocks and 8 lanes, whatever nthreads is.

@@ -6,6 +6,7 @@
 // same bits and handles tails.
 #include "terngrad.h"
 #include "philox.h"
+#include "terngrad_internal.h"
 
 #include <algorithm>
 #include <atomic>
@@ -130,14 +131,23 @@ __attribute__((target("avx2,fma"))) Partial stats_block_avx2(const typename Elem
 }
 #endif
 
-bool has_avx2() {
+// Highest SIMD level the kernels may use (tests lower it to check every path): 0 scalar, 2 AVX2, 3 AVX-512.
+std::atomic<int> g_max_level{3};
+
+int detected_level() {
 #if TG_X86
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+  static const int lvl = tg::avx512_usable() ? 3
+                         : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 2
+                                                                                               : 0;
+  return lvl;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+int simd_level() { return std::min(detected_level(), g_max_level.load(std::memory_order_relaxed)); }
+bool has_avx2() { return simd_level() >= 2; }
+bool has_avx512() { return simd_level() >= 3; }
 
 template <int DT>
 void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
@@ -175,9 +185,7 @@ void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
 
 // ------------------------------------------------------------------------------------------------
 // Ternarize + pack.
-struct Key {
-  uint32_t k0, k1, c1_hi, tensor_id, step;
-};
+using tg::Key;
 
 // Keep x when t = fl((2h+1) * fl(scaler * 2^-17)) < |x|: a Bernoulli(|x| / scaler) draw whose uniform is
 // the midpoint of a 16-bit cell. t < scaler always, so |x| >= scaler always keeps (clipping).
@@ -309,12 +317,15 @@ void ternarize_impl(const void* xv, int64_t n, float scaler, const Key& key, uin
   const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
   constexpr int64_t kChunk = 16384;  // elements per work item, a multiple of 64
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
-  const bool avx2 = has_avx2();
+  const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
     const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
     int64_t mid = b;
 #if TG_X86
-    if (avx2) {
+    if (avx512) {
+      mid = b + (e - b) / 64 * 64;
+      tg::ternarize_avx512(DT, x, b, mid, scaler, key, out);
+    } else if (avx2) {
       mid = b + (e - b) / 64 * 64;
       ternarize_avx2<DT>(x, b, mid, scaler, key, out);
     }
@@ -377,7 +388,12 @@ extern "C" {
 
 int tg_abi_version(void) { return TG_ABI_VERSION; }
 
-int tg_simd_level(void) { return has_avx2() ? 2 : 0; }
+int tg_simd_level(void) { return simd_level(); }
+
+int tg_set_simd_level(int max_level) {
+  g_max_level.store(max_level < 0 ? 0 : max_level, std::memory_order_relaxed);
+  return simd_level();
+}
 
 void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
   tg_philox4x32_10(ctr, key[0], key[1], out);
@@ -418,12 +434,19 @@ int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers,
   for (int r = 0; r < nranks; ++r) weights[r] = scalers[r] / (float)nranks;
   const float post = scalers[0] / (float)nranks;
   const int64_t nblocks = (n + kDecodeBlock - 1) / kDecodeBlock;
+  const bool simd = has_avx512() && (!shared || nranks <= 127);  // int8 counters when shared
   std::atomic<uint32_t> bad_all{0};
   parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
     uint32_t bad = 0;
     for (int64_t blk = bb; blk < be; ++blk) {
-      const int64_t start = blk * kDecodeBlock, len = std::min(kDecodeBlock, n - start);
-      decode_block(nranks, codes, weights.data(), shared, post, start, len, out, bad);
+      int64_t start = blk * kDecodeBlock, len = std::min(kDecodeBlock, n - start);
+      if (simd) {
+        const int64_t full = len / 64 * 64;
+        tg::decode_avx512(nranks, codes, weights.data(), shared, post, start, full, out, bad);
+        start += full;
+        len -= full;
+      }
+      if (len > 0) decode_block(nranks, codes, weights.data(), shared, post, start, len, out, bad);
     }
     bad_all |= bad;
   });

@@ -34,6 +34,19 @@ def _dev(backend):
     return "cuda" if backend == "cuda" else "cpu"
 
 
+def _simd_levels():
+    top = cpu.set_simd_level(3)
+    return [lvl for lvl in (3, 2, 0) if lvl <= top]
+
+
+@pytest.fixture(params=_simd_levels(), ids=lambda lvl: cpu.SIMD_LEVELS[lvl])
+def simd(request):
+    """Run the test on each SIMD path this CPU has (AVX-512, AVX2, scalar): all must write the same bytes."""
+    assert cpu.set_simd_level(request.param) == request.param
+    yield request.param
+    cpu.set_simd_level(3)
+
+
 # ---------------------------------------------------------------------------------------------
 def test_cpu_library_loaded():
     assert cpu.available(), cpu.load_error()
@@ -70,8 +83,8 @@ def test_golden_vectors(case, backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 7, 8, 63, 64, 65, 1000, 16384 + 13, 300_001])
-def test_cpu_matches_reference_bit_for_bit(dtype, n):
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 7, 8, 63, 64, 65, 129, 1000, 16384 + 13, 300_001])
+def test_cpu_matches_reference_bit_for_bit(dtype, n, simd):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g, dtype=torch.float64) * 0.02).to(dtype)
     key = codec.RngKey(2**40 + 3, 11, 5, 0xABCDEF01)
@@ -87,10 +100,19 @@ def test_cpu_matches_reference_bit_for_bit(dtype, n):
     if n:
         other = codec.ternarize_pack(x, s * 0.5, key, backend="cpu")
         for shared in (True, False):
-            scalers = [s, s] if shared else [s, s * 0.5]
-            d1 = codec.decode_sum([a, other], scalers, shared, n, backend="cpu", nthreads=3)
-            d2 = codec.decode_sum([a, other], scalers, shared, n, backend="reference")
+            scalers = [s, s, s] if shared else [s, s * 0.5, s * 0.25]
+            d1 = codec.decode_sum([a, other, a], scalers, shared, n, backend="cpu", nthreads=3)
+            d2 = codec.decode_sum([a, other, a], scalers, shared, n, backend="reference")
             assert torch.equal(d1, d2)
+
+
+def test_decode_many_ranks_beyond_int8_counters(simd):
+    """Shared decode of 200 ranks (past the 127 the int8 AVX-512 counters hold) equals the reference."""
+    n = 1000
+    codes = [codec.ternarize_pack(torch.randn(n), 1.0, codec.RngKey(5, 0, r, 9)) for r in range(200)]
+    got = codec.decode_sum(codes, [1.0] * 200, True, n, backend="cpu")
+    ref = codec.decode_sum(codes, [1.0] * 200, True, n, backend="reference")
+    assert torch.equal(got, ref)
 
 
 def test_non_contiguous_input_equals_contiguous():
@@ -193,10 +215,15 @@ def test_stats_flags_non_finite_and_matches_torch():
     assert codec.stats(x.half()).nonfinite >= 2
 
 
-def test_decode_rejects_invalid_codes():
+def test_decode_rejects_invalid_codes(simd):
     bad = torch.tensor([0b11], dtype=torch.uint8)
     with pytest.raises(codec.CorruptPayload):
         codec.decode_sum([bad], [1.0], True, 4)
+    big = torch.zeros(64, dtype=torch.uint8)  # 256 elements: the SIMD path
+    big[17] = 0b00110000
+    for shared in (True, False):
+        with pytest.raises(codec.CorruptPayload):
+            codec.decode_sum([big, big], [1.0, 1.0], shared, 256)
     pad = torch.tensor([0b01000000], dtype=torch.uint8)  # element 3 set, but n = 3
     with pytest.raises(codec.CorruptPayload):
         codec.decode_sum([pad], [1.0], True, 3)

@@ -44,6 +44,8 @@ def _load():
     i64, u32, u64, vp = ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
     lib.tg_abi_version.restype = ctypes.c_int
     lib.tg_simd_level.restype = ctypes.c_int
+    lib.tg_set_simd_level.argtypes = [ctypes.c_int]
+    lib.tg_set_simd_level.restype = ctypes.c_int
     lib.tg_stats.argtypes = [ctypes.c_int, vp, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     lib.tg_stats.restype = ctypes.c_int
     lib.tg_ternarize_pack.argtypes = [ctypes.c_int, vp, i64, ctypes.c_float, u64, u32, u32, u32, vp, ctypes.c_int]
@@ -81,8 +83,17 @@ def default_threads() -> int:
     return int(env) if env else torch.get_num_threads()
 
 
+SIMD_LEVELS = {0: "scalar", 2: "avx2", 3: "avx512"}
+
+
 def simd_level() -> int:
+    """SIMD path in use: 0 scalar, 2 AVX2, 3 AVX-512."""
     return _lib_or_raise().tg_simd_level()
+
+
+def set_simd_level(max_level: int) -> int:
+    """Cap the SIMD path (tests check every path against the reference); returns the level in use."""
+    return _lib_or_raise().tg_set_simd_level(max_level)
 
 
 def _check(rc: int, what: str) -> None:

@@ -1,0 +1,23 @@
+// Internal declarations shared by the CPU translation units (not part of the C ABI).
+#pragma once
+#include <stdint.h>
+
+namespace tg {
+
+// Philox key and counter words of one tensor on one rank in one step (see terngrad.h).
+struct Key {
+  uint32_t k0, k1, c1_hi, tensor_id, step;
+};
+
+// AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
+bool avx512_usable();
+
+// Elements [b, e) of x, b and e multiples of 64; writes bytes b/4 .. e/4 of out.
+void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, float scaler, const Key& key, uint8_t* out);
+
+// Decode elements [start, start + len), start and len multiples of 64, into out; nranks <= 127 when shared.
+// ORs 1 into bad when a code is 0b11.
+void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights, int shared, float post,
+                   int64_t start, int64_t len, float* out, uint32_t& bad);
+
+}  // namespace tg
