@@ -83,6 +83,74 @@ bool avx512_usable() {
   return ok;
 }
 
+// Eight elements widened to double: one per lane, as the statistics order requires.
+TG_AVX512 inline __m512d load8d(int dtype, const void* x, int64_t i) {
+  switch (dtype) {
+    case TG_F32:
+      return _mm512_cvtps_pd(_mm256_loadu_ps(static_cast<const float*>(x) + i));
+    case TG_F64:
+      return _mm512_loadu_pd(static_cast<const double*>(x) + i);
+    case TG_F16:
+      return _mm512_cvtps_pd(
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i))));
+    default: {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+      return _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+}
+
+TG_AVX512 inline double scalar_at(int dtype, const void* x, int64_t i) {  // reads element i only
+  switch (dtype) {
+    case TG_F32: return static_cast<const float*>(x)[i];
+    case TG_F64: return static_cast<const double*>(x)[i];
+    case TG_F16: return _cvtsh_ss(static_cast<const uint16_t*>(x)[i]);
+    default: {
+      const uint32_t bits = (uint32_t) static_cast<const uint16_t*>(x)[i] << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+  }
+}
+
+TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0) {
+  const double big = dtype == TG_F64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
+  const __m512d vx0 = _mm512_set1_pd(x0), vbig = _mm512_set1_pd(big);
+  const __m512d absmask = _mm512_castsi512_pd(_mm512_set1_epi64(0x7fffffffffffffffLL));
+  __m512d s = _mm512_setzero_pd(), q = _mm512_setzero_pd(), m = _mm512_setzero_pd();
+  int64_t bad = 0, k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m512d v = load8d(dtype, x, k);
+    const __m512d a = _mm512_and_pd(v, absmask);
+    const __m512d d = _mm512_sub_pd(v, vx0);
+    s = _mm512_add_pd(s, d);
+    q = _mm512_add_pd(q, _mm512_mul_pd(d, d));
+    m = _mm512_max_pd(a, m);  // (a > m) ? a : m, NaN never wins, like the scalar path
+    bad += 8 - __builtin_popcount(_mm512_cmp_pd_mask(a, vbig, _CMP_LE_OQ));
+  }
+  alignas(64) double ls[8], lq[8], lm[8];
+  _mm512_store_pd(ls, s);
+  _mm512_store_pd(lq, q);
+  _mm512_store_pd(lm, m);
+  for (int l = 0; k < n; ++k, ++l) {  // the tail continues the lanes from 0, like the scalar path
+    const double v = scalar_at(dtype, x, k);
+    const double a = v < 0 ? -v : v, d = v - x0;
+    ls[l] += d;
+    lq[l] += d * d;
+    lm[l] = a > lm[l] ? a : lm[l];
+    bad += !(a <= big);
+  }
+  StatPartial p;
+  for (int l = 0; l < 8; ++l) {
+    p.sum += ls[l];
+    p.sumsq += lq[l];
+    p.absmax = lm[l] > p.absmax ? lm[l] : p.absmax;
+  }
+  p.nonfinite = bad;
+  return p;
+}
+
 TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, float scaler, const Key& key,
                                 uint8_t* out) {
   __m512i K0[10], K1[10];
@@ -174,6 +242,7 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
 
 namespace tg {
 bool avx512_usable() { return false; }
+StatPartial stats_block_avx512(int, const void*, int64_t, double) { return StatPartial(); }
 void ternarize_avx512(int, const void*, int64_t, int64_t, float, const Key&, uint8_t*) {}
 void decode_avx512(int, const uint8_t* const*, const float*, int, float, int64_t, int64_t, float*, uint32_t&) {}
 }  // namespace tg

@@ -83,10 +83,7 @@ template <> struct Elem<TG_BF16> { using T = uint16_t; static float f(const T* p
 constexpr int64_t kStatBlock = 65536;
 constexpr int kLanes = 8;
 
-struct Partial {
-  double sum = 0, sumsq = 0, absmax = 0;
-  int64_t nonfinite = 0;
-};
+using Partial = tg::StatPartial;
 
 template <int DT>
 Partial stats_block(const typename Elem<DT>::T* x, int64_t n, double x0) {
@@ -157,12 +154,14 @@ void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
   const double x0 = Elem<DT>::d(x, 0);
   const int64_t nblocks = (n + kStatBlock - 1) / kStatBlock;
   std::vector<Partial> parts(nblocks);
-  const bool avx2 = has_avx2();
+  const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t off = i * kStatBlock, len = std::min(kStatBlock, n - off);
 #if TG_X86
-      parts[i] = avx2 ? stats_block_avx2<DT>(x + off, len, x0) : stats_block<DT>(x + off, len, x0);
+      parts[i] = avx512 ? tg::stats_block_avx512(DT, x + off, len, x0)
+                 : avx2 ? stats_block_avx2<DT>(x + off, len, x0)
+                        : stats_block<DT>(x + off, len, x0);
 #else
       parts[i] = stats_block<DT>(x + off, len, x0);
 #endif

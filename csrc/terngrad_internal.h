@@ -9,11 +9,21 @@ struct Key {
   uint32_t k0, k1, c1_hi, tensor_id, step;
 };
 
+// Statistics of one block: lane l (of 8) sums the elements k with k % 8 == l, in order; lanes are then
+// added in order 0..7. Every path (scalar, AVX2, AVX-512, reference) keeps exactly this order.
+struct StatPartial {
+  double sum = 0, sumsq = 0, absmax = 0;
+  int64_t nonfinite = 0;
+};
+
 // AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
 bool avx512_usable();
 
 // Elements [b, e) of x, b and e multiples of 64; writes bytes b/4 .. e/4 of out.
 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, float scaler, const Key& key, uint8_t* out);
+
+// Statistics of elements [0, n) of the block starting at x (any n), shifted by x0.
+StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0);
 
 // Decode elements [start, start + len), start and len multiples of 64, into out; nranks <= 127 when shared.
 // ORs 1 into bad when a code is 0b11.
