@@ -105,7 +105,9 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=epochs * steps, desc=f"{method:>16}", leave=False, dynamic_ncols=True)
+        # stdout, ASCII, 1 s refresh: readable through horovodrun's per-rank line tags, which see no TTY
+        bar = tqdm(total=epochs * steps, desc=f"{method:>10}", leave=False, file=sys.stdout, ascii=True,
+                   mininterval=1.0, ncols=90)
     t_start = time.perf_counter()
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     for epoch in range(epochs):
