@@ -131,8 +131,19 @@ def bytes_per_step(model, compression: str, tg) -> float:
     return tg.stats.last.bytes_sent
 
 
+def iface_bytes(iface: str | None) -> tuple[int, int]:
+    """(tx, rx) byte counters of a network interface, or (0, 0) when none is given or it does not exist."""
+    if not iface:
+        return 0, 0
+    base = Path("/sys/class/net") / iface / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return 0, 0
+
+
 def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iters: int, compression: str,
-              optimizer: str = "hvd_terngrad", log=print) -> dict:
+              optimizer: str = "hvd_terngrad", log=print, iface: str | None = None) -> dict:
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
     if model_name not in MODELS:
@@ -150,6 +161,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
         opt.step()
 
     timeit.timeit(step, number=warmup)
+    tx0, rx0 = iface_bytes(iface)
     img_secs, phases = [], []
     for _ in range(iters):
         t = timeit.timeit(step, number=per_iter)
@@ -159,13 +171,15 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
             phases.append((last.time_encode, last.time_comm, last.time_decode))
         if log is not None and hvd.rank() == 0:
             log(f"Iter: {img_secs[-1]:.1f} img/sec per worker")
+    tx1, rx1 = iface_bytes(iface)
     mean = statistics.mean(img_secs)
     conf = 1.96 * (statistics.stdev(img_secs) if len(img_secs) > 1 else 0.0)
     res = {"model": model_name, "compression": compression, "optimizer": optimizer, "workers": hvd.size(),
            "batch_size": batch_size, "img_sec_per_worker": mean, "img_sec_conf": conf,
            "img_sec_total": mean * hvd.size(), "step_seconds": batch_size / mean,
            "params": sum(p.numel() for p in model.parameters()),
-           "bytes_per_step": bytes_per_step(model, compression, tg)}
+           "bytes_per_step": bytes_per_step(model, compression, tg),
+           "wire_tx_per_step": (tx1 - tx0) / (iters * per_iter), "wire_rx_per_step": (rx1 - rx0) / (iters * per_iter)}
     if phases:
         res["time_encode"], res["time_comm"], res["time_decode"] = (statistics.mean(p[i] for p in phases)
                                                                     for i in range(3))
@@ -183,6 +197,7 @@ def main(argv=None):
     ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"),
                     help="for terngrad: hvd_terngrad.DistributedOptimizer or the stock one with compression=")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")
     args = ap.parse_args(argv)
     hvd.init()
@@ -191,12 +206,15 @@ def main(argv=None):
         print(f"Model: {args.model}, batch size: {args.batch_size}, compression: {args.compression}, "
               f"workers: {hvd.size()}")
     r = benchmark(args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter, args.num_iters,
-                  args.compression, args.optimizer)
+                  args.compression, args.optimizer, iface=args.iface)
     if hvd.rank() == 0:
         print(f"Img/sec per worker: {r['img_sec_per_worker']:.1f} +-{r['img_sec_conf']:.1f}")
         conf_total = r["img_sec_conf"] * hvd.size()
         print(f"Total img/sec on {hvd.size()} worker(s): {r['img_sec_total']:.1f} +-{conf_total:.1f}")
         print(f"Gradient bytes sent per worker per step: {r['bytes_per_step']:,.0f}")
+        if args.iface:
+            print(f"Wire bytes per step on {args.iface} (rank 0): sent {r['wire_tx_per_step']:,.0f}, "
+                  f"received {r['wire_rx_per_step']:,.0f}")
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
