@@ -8,6 +8,8 @@ Models (3x32x32 inputs, 10 classes):
     vgg        VGG-A-style: 8 conv layers 64 .. 256, two 512-wide FC layers (3.1 M)
     googlenet  GoogLeNet-style, conv-heavy: inception blocks, global pooling, one FC (0.6 M)
     mlp        3072 -> 2048 -> 2048 -> 10 (10.5 M)
+    wide       3072 -> 4096 -> 10 (12.6 M), little compute: for transport sweeps at batch size 4
+    tiny       3072 -> 128 -> 10, for smoke tests
 Prints img/sec per worker (mean +- 1.96 sigma over iterations) and in total, as Horovod's benchmark does,
 and for every method the gradient bytes each worker sends per step.
 """
@@ -105,10 +107,32 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP}
+class Wide(nn.Module):
+    """Little compute, many parameters (3072 -> 4096 -> 10, 12.6 M): communication-bound, for transport sweeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4096), nn.ReLU(inplace=True), nn.Linear(4096, 10))
+
+    def forward(self, x):
+        return self.net(x)
 
 
-def build_optimizer(model, compression: str, optimizer: str, seed: int = 0):
+class Tiny(nn.Module):
+    """For smoke tests: 3072 -> 128 -> 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 128), nn.ReLU(inplace=True), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP, "wide": Wide, "tiny": Tiny}
+
+
+def build_optimizer(model, compression: str, optimizer: str, seed: int = 0, transport: str = "allgather"):
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     named = list(model.named_parameters())
     if compression == "fp32":
@@ -116,9 +140,9 @@ def build_optimizer(model, compression: str, optimizer: str, seed: int = 0):
     if compression == "fp16":
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=hvd.Compression.fp16), None
     if optimizer == "stock":
-        tg = hvd_terngrad.TernGrad(named, seed=seed)
+        tg = hvd_terngrad.TernGrad(named, seed=seed, transport=transport)
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
-    tg = hvd_terngrad.TernGrad(seed=seed)
+    tg = hvd_terngrad.TernGrad(seed=seed, transport=transport)
     return hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
 
 
@@ -143,7 +167,8 @@ def iface_bytes(iface: str | None) -> tuple[int, int]:
 
 
 def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iters: int, compression: str,
-              optimizer: str = "hvd_terngrad", log=print, iface: str | None = None) -> dict:
+              optimizer: str = "hvd_terngrad", log=print, iface: str | None = None,
+              transport: str = "allgather") -> dict:
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
     if model_name not in MODELS:
@@ -151,7 +176,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     torch.manual_seed(0)
     model = MODELS[model_name]()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt, tg = build_optimizer(model, compression, optimizer)
+    opt, tg = build_optimizer(model, compression, optimizer, transport=transport)
     data = torch.randn(batch_size, 3, 32, 32)
     target = torch.randint(0, 10, (batch_size,))
 
@@ -175,6 +200,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     mean = statistics.mean(img_secs)
     conf = 1.96 * (statistics.stdev(img_secs) if len(img_secs) > 1 else 0.0)
     res = {"model": model_name, "compression": compression, "optimizer": optimizer, "workers": hvd.size(),
+           "transport": transport if compression == "terngrad" else None,
            "batch_size": batch_size, "img_sec_per_worker": mean, "img_sec_conf": conf,
            "img_sec_total": mean * hvd.size(), "step_seconds": batch_size / mean,
            "params": sum(p.numel() for p in model.parameters()),
@@ -196,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--compression", default="terngrad", choices=COMPRESSIONS)
     ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"),
                     help="for terngrad: hvd_terngrad.DistributedOptimizer or the stock one with compression=")
+    ap.add_argument("--transport", default="allgather", choices=("allgather", "summed", "summed-int8", "auto"),
+                    help="TernGrad transport (see docs/wire-format.md)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")
@@ -206,7 +234,7 @@ def main(argv=None):
         print(f"Model: {args.model}, batch size: {args.batch_size}, compression: {args.compression}, "
               f"workers: {hvd.size()}")
     r = benchmark(args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter, args.num_iters,
-                  args.compression, args.optimizer, iface=args.iface)
+                  args.compression, args.optimizer, iface=args.iface, transport=args.transport)
     if hvd.rank() == 0:
         print(f"Img/sec per worker: {r['img_sec_per_worker']:.1f} +-{r['img_sec_conf']:.1f}")
         conf_total = r["img_sec_conf"] * hvd.size()

@@ -64,16 +64,6 @@ TG_AVX512 inline void philox8(uint64_t j0, const Key& key, const __m512i* K0, co
   out[3] = _mm512_cvtepi64_epi32(c3);
 }
 
-inline uint64_t spread_bits(uint32_t v) {
-  uint64_t x = v;
-  x = (x | x << 16) & 0x0000FFFF0000FFFFull;
-  x = (x | x << 8) & 0x00FF00FF00FF00FFull;
-  x = (x | x << 4) & 0x0F0F0F0F0F0F0F0Full;
-  x = (x | x << 2) & 0x3333333333333333ull;
-  x = (x | x << 1) & 0x5555555555555555ull;
-  return x;
-}
-
 }  // namespace
 
 bool avx512_usable() {
@@ -188,9 +178,18 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
   }
 }
 
+// The "plus" (code 0b01) and "minus" (0b10) bits of 64 elements: 16 code bytes through pext.
+TG_AVX512 inline void code_masks(const uint8_t* bytes, uint64_t& plus, uint64_t& minus) {
+  const uint64_t EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
+  uint64_t w0, w1;
+  std::memcpy(&w0, bytes, 8);
+  std::memcpy(&w1, bytes + 8, 8);
+  plus = _pext_u64(w0, EVEN) | _pext_u64(w1, EVEN) << 32;
+  minus = _pext_u64(w0, ODD) | _pext_u64(w1, ODD) << 32;
+}
+
 TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights, int shared, float post,
                              int64_t start, int64_t len, float* out, uint32_t& bad) {
-  const uint64_t EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
   uint64_t badbits = 0;
   for (int64_t g = start; g < start + len; g += 64) {
     const int64_t byte0 = g / 4;
@@ -198,11 +197,8 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
       __m512i acc = _mm512_setzero_si512();
       const __m512i one = _mm512_set1_epi8(1);
       for (int r = 0; r < nranks; ++r) {
-        uint64_t w0, w1;
-        std::memcpy(&w0, codes[r] + byte0, 8);
-        std::memcpy(&w1, codes[r] + byte0 + 8, 8);
-        const uint64_t p = _pext_u64(w0, EVEN) | _pext_u64(w1, EVEN) << 32;
-        const uint64_t n = _pext_u64(w0, ODD) | _pext_u64(w1, ODD) << 32;
+        uint64_t p, n;
+        code_masks(codes[r] + byte0, p, n);
         badbits |= p & n;
         acc = _mm512_mask_add_epi8(acc, p, acc, one);
         acc = _mm512_mask_sub_epi8(acc, n, acc, one);
@@ -218,11 +214,8 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
     } else {
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int r = 0; r < nranks; ++r) {
-        uint64_t w0, w1;
-        std::memcpy(&w0, codes[r] + byte0, 8);
-        std::memcpy(&w1, codes[r] + byte0 + 8, 8);
-        const uint64_t p = _pext_u64(w0, EVEN) | _pext_u64(w1, EVEN) << 32;
-        const uint64_t n = _pext_u64(w0, ODD) | _pext_u64(w1, ODD) << 32;
+        uint64_t p, n;
+        code_masks(codes[r] + byte0, p, n);
         badbits |= p & n;
         const __m512 wv = _mm512_set1_ps(weights[r]);
         for (int q = 0; q < 4; ++q) {

@@ -22,7 +22,15 @@ from horovod.torch.compression import Compressor
 
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.engine import Item, TernGradEngine
+from hvd_terngrad.perfmodel import choose_transport
 from hvd_terngrad.transport import HorovodTransport
+
+
+def resolve_transport(transport: str, numel: int, size: int, int8: bool) -> str:
+    """The transport a group of `numel` coded elements takes: the configured one, or the model's choice."""
+    if transport != "auto":
+        return transport
+    return choose_transport(numel, size, int8=int8)
 
 
 class _Coded:
@@ -30,6 +38,13 @@ class _Coded:
 
     def __init__(self, handle, items: list[Item]):
         self.handle = handle
+        self.items = items
+
+
+class _Summed:
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Item]):
         self.items = items
 
 
@@ -91,6 +106,9 @@ class TernGrad(Compressor):
         if self.config.on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "
                              "optimizer step; the stock hvd.DistributedOptimizer can only raise")
+        if self.config.transport == "summed-int8":
+            raise ValueError("transport='summed-int8' needs hvd_terngrad.DistributedOptimizer (Horovod's "
+                             "allreduce takes no int8); use transport='summed' with the stock optimizer")
         if self.config.exclude and self._named is None:
             raise ValueError("exclude= matches parameter names: with the stock hvd.DistributedOptimizer pass "
                              "named_parameters to TernGrad(model.named_parameters(), ...)")
@@ -105,6 +123,9 @@ class TernGrad(Compressor):
             reduced = self._transport.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}")
             eng.apply_shared(items, reduced)
             eng.raise_nonfinite(items)
+        if resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False) == "summed":
+            # The stock optimizer averages what compress() returns; decompress() turns it back into sums.
+            return eng.encode_values(items, torch.float16), _Summed(items)
         payload = eng.encode(items, device=tensor.device)
         handle = self._transport.allgather_async(payload, name=f"terngrad.codes.{name}")
         return torch.zeros(1, dtype=torch.float32, device=tensor.device), _Coded(handle, items)
@@ -114,8 +135,12 @@ class TernGrad(Compressor):
             if ctx is _PASS:
                 return tensor
             eng = self.engine
-            gathered = self._transport.wait(ctx.handle)
-            (avg,) = eng.decode(ctx.items, gathered)
+            if isinstance(ctx, _Summed):
+                # Horovod averaged the fp16 code values: N * average, rounded, is the exact integer sum
+                # (the fp16 error of the average is below 0.5 / N for N < 1024).
+                (avg,) = eng.decode_sums(ctx.items, torch.round(tensor.float() * eng.size))
+            else:
+                (avg,) = eng.decode(ctx.items, self._transport.wait(ctx.handle))
             eng.raise_nonfinite(ctx.items)
             it = ctx.items[0]
             return avg.view(it.shape).to(it.dtype)

@@ -15,7 +15,7 @@ import numpy as np
 
 from hvd_terngrad.codec import BACKENDS, Stats
 
-TRANSPORTS = ("allgather",)
+TRANSPORTS = ("allgather", "summed", "summed-int8", "auto")
 ON_NONFINITE = ("raise", "skip")
 
 
@@ -30,7 +30,9 @@ class TernGradConfig:
     seed: the Philox key; with step, rank and tensor it fixes every random draw.
     error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
     backend: codec backend, one of "auto", "cpu", "cuda", "reference".
-    transport: how codes travel; "allgather".
+    transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
+        an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
+        hvd_terngrad optimizer only), or "auto" (hvd_terngrad.perfmodel picks per bucket from N and the link).
     on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
         (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
@@ -62,6 +64,8 @@ class TernGradConfig:
             raise ValueError(f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; allowed: {', '.join(TRANSPORTS)}")
+        if self.transport in ("summed", "summed-int8") and not self.share_scaler:
+            raise ValueError(f"transport={self.transport!r} sums codes across ranks, which needs share_scaler=True")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -98,21 +98,27 @@ class TernGradEngine:
 
     # ------------------------------------------------------------------------------------------
     def scaler_vector(self, items: list[Item]) -> torch.Tensor:
-        """[s_0, f_0, s_1, f_1, ...] with f = rank + 1 where the tensor is non-finite, for a Max allreduce."""
+        """Per tensor [s, f, t, -t] for a Max allreduce: f = rank + 1 where the tensor is non-finite, t the low
+        24 bits of its tag (exact in fp32). After the Max, t != -(-t) means the ranks sent different tensors."""
         vals = []
         for it in items:
-            vals += [it.scaler, float(it.nonfinite_rank + 1)]
+            t = float(it.tag & 0xFFFFFF)
+            vals += [it.scaler, float(it.nonfinite_rank + 1), t, -t]
         return torch.tensor(vals, dtype=torch.float32)
 
     def apply_shared(self, items: list[Item], reduced: torch.Tensor) -> None:
         vals = reduced.cpu().tolist()
-        if len(vals) != 2 * len(items):
+        if len(vals) != 4 * len(items):
             raise PayloadMismatchError(
-                f"hvd_terngrad: scaler vector of {len(vals) // 2} tensors, expected {len(items)} "
+                f"hvd_terngrad: scaler vector of {len(vals) // 4} tensors, expected {len(items)} "
                 f"(rank {self.rank}, first tensor {items[0].name!r}): ranks disagree on tensor groups")
         for i, it in enumerate(items):
-            it.scaler = vals[2 * i]
-            it.nonfinite_rank = int(vals[2 * i + 1]) - 1
+            if vals[4 * i + 2] != -vals[4 * i + 3]:
+                raise PayloadMismatchError(
+                    f"hvd_terngrad: tensor {it.name!r}: the ranks sent different tensors (name, shape or dtype) "
+                    f"in the same place (checked on rank {self.rank} at step {self.step})")
+            it.scaler = vals[4 * i]
+            it.nonfinite_rank = int(vals[4 * i + 1]) - 1
 
     def nonfinite(self, items: list[Item]) -> list[Item]:
         return [it for it in items if it.nonfinite_rank >= 0]
@@ -164,8 +170,52 @@ class TernGradEngine:
                                  scaler_bytes=8 if shared else 0)
         return payload
 
-    def decode(self, items: list[Item], gathered: torch.Tensor) -> list[torch.Tensor]:
-        """The averaged gradients (fp32, flat) from the allgathered payloads of all ranks."""
+    def encode_values(self, items: list[Item], dtype: torch.dtype) -> torch.Tensor:
+        """The summed transport's payload: every code as a value in {-1, 0, 1} (fp16 or int8), back to back."""
+        cfg = self.config
+        with self.stats.timed("encode"):
+            total = sum(it.numel for it in items)
+            dev = items[0].flat.device if items else torch.device("cpu")
+            values = torch.empty(total, dtype=dtype, device=dev)
+            off = 0
+            for it in items:
+                it.offset = off
+                self.scalers_used[it.name] = it.scaler
+                if it.nonfinite_rank >= 0:
+                    values[off: off + it.numel].zero_()
+                else:
+                    codes = codec.ternarize_pack(it.flat, it.scaler, self.key(it), backend=cfg.backend,
+                                                 nthreads=cfg.num_threads)
+                    b = codec.decode_sum([codes], [1.0], True, it.numel, backend=cfg.backend, nthreads=cfg.num_threads)
+                    values[off: off + it.numel].copy_(b)
+                    if cfg.error_feedback:
+                        local = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
+                        self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
+                off += it.numel
+        for it in items:
+            self.stats.add_coded(it.numel * values.element_size(), it.numel * it.flat.element_size(), self.size,
+                                 scaler_bytes=16)
+        return values
+
+    def decode_sums(self, items: list[Item], summed: torch.Tensor) -> list[torch.Tensor]:
+        """The averages from the summed codes: fl32((sum of codes) * fl32(s / N)), as the allgather decode."""
+        with self.stats.timed("decode"):
+            if summed.numel() != sum(it.numel for it in items):
+                raise PayloadMismatchError(
+                    f"hvd_terngrad: received {summed.numel()} code sums for tensors starting with {items[0].name!r}, "
+                    f"expected {sum(it.numel for it in items)} (rank {self.rank})")
+            out = []
+            for it in items:
+                post = torch.tensor(it.scaler, dtype=torch.float32, device=summed.device) / self.size
+                out.append(summed[it.offset: it.offset + it.numel].float() * post)
+        return out
+
+    def decode(self, items: list[Item], gathered: torch.Tensor,
+               outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """The averaged gradients (fp32, flat) from the allgathered payloads of all ranks.
+
+        outs: optional destinations (contiguous fp32, one per item, or None): the decode writes there directly.
+        """
         cfg = self.config
         with self.stats.timed("decode"):
             per_rank = self.payload_size(items)
@@ -180,7 +230,8 @@ class TernGradEngine:
                 codes = [gathered[s: s + wire.codes_size(it.numel)] for s in starts]
                 try:
                     res = codec.decode_sum(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
-                                           backend=cfg.backend, nthreads=cfg.num_threads)
+                                           out=outs[i] if outs else None, backend=cfg.backend,
+                                           nthreads=cfg.num_threads)
                 except codec.CorruptPayload as exc:
                     raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r} on rank {self.rank}: {exc}") from None
                 out.append(res)

@@ -20,14 +20,14 @@ from contextlib import contextmanager
 import horovod.torch as hvd
 import torch
 
-from hvd_terngrad.compression import TernGrad
+from hvd_terngrad.compression import TernGrad, resolve_transport
 from hvd_terngrad.engine import Item, NonFiniteGradientError
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "items", "state", "scaler_handle", "gather_handle")
+    __slots__ = ("index", "params", "ready", "items", "state", "scaler_handle", "gather_handle", "kind", "values")
 
     def __init__(self, index: int, params: list):
         self.index = index
@@ -40,6 +40,8 @@ class _Bucket:
         self.state = "idle"  # idle -> scaler -> gather -> idle
         self.scaler_handle = None
         self.gather_handle = None
+        self.kind = "allgather"
+        self.values = None
 
 
 class _TernGradOptimizer(torch.optim.Optimizer):
@@ -154,8 +156,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
     def _send(self, b: _Bucket, reduced=None):
         if reduced is not None:
             self._engine.apply_shared(b.items, reduced)
-        payload = self._engine.encode(b.items, device=b.items[0].flat.device)
-        b.gather_handle = self._transport.allgather_async(payload, name=f"terngrad.bucket.{b.index}")
+        b.kind = resolve_transport(self._cfg.transport, sum(it.numel for it in b.items), self._engine.size,
+                                   int8=True)
+        if b.kind == "allgather":
+            payload = self._engine.encode(b.items, device=b.items[0].flat.device)
+            b.gather_handle = self._transport.allgather_async(payload, name=f"terngrad.bucket.{b.index}")
+        elif b.kind == "summed":
+            b.values = self._engine.encode_values(b.items, torch.float16)
+            b.gather_handle = self._transport.sum_async_(b.values, name=f"terngrad.sum.{b.index}")
+        else:  # summed-int8: a blocking MPI call, made in bucket order in synchronize()
+            b.values = self._engine.encode_values(b.items, torch.int8)
         b.state = "gather"
 
     def _progress(self):
@@ -177,11 +187,19 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._send(b, self._transport.wait(b.scaler_handle))
             bad: list[Item] = []
             for b in self._buckets:
-                gathered = self._transport.wait(b.gather_handle)
-                outs = self._engine.decode(b.items, gathered)
+                if b.kind == "allgather":
+                    # decode straight into fp32 gradients; other dtypes are converted below
+                    direct = [p.grad.view(-1) if p.grad.dtype == torch.float32 and p.grad.is_contiguous() else None
+                              for p in b.params]
+                    outs = self._engine.decode(b.items, self._transport.wait(b.gather_handle), outs=direct)
+                elif b.kind == "summed":
+                    outs = self._engine.decode_sums(b.items, self._transport.wait(b.gather_handle))
+                else:
+                    outs = self._engine.decode_sums(b.items, self._transport.int8_sum_(b.values))
                 bad += self._engine.nonfinite(b.items)
                 for p, out in zip(b.params, outs):
-                    p.grad.copy_(out.view(p.grad.shape))
+                    if out.data_ptr() != p.grad.data_ptr():
+                        p.grad.copy_(out.view(p.grad.shape))
             float_bad = []
             for p, h in self._float_handles.items():
                 self._transport.wait(h)

@@ -98,3 +98,30 @@ def test_integer_and_complex_gradients_are_rejected_with_name_and_rank():
         e.prepare("emb", torch.ones(5, dtype=torch.int64))
     with pytest.raises(TypeError, match="complex64"):
         e.prepare("z", torch.ones(5, dtype=torch.complex64))
+
+
+def test_summed_transport_needs_a_shared_scaler():
+    with pytest.raises(ValueError, match="share_scaler=True"):
+        TernGradConfig(transport="summed", share_scaler=False)
+
+
+def test_perfmodel_crossovers():
+    from hvd_terngrad import perfmodel
+
+    big = 10_000_000
+    assert perfmodel.choose_transport(big, 4) == "allgather"
+    assert perfmodel.choose_transport(big, 64) == "summed"
+    assert 16 <= perfmodel.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
+    assert 8 <= perfmodel.crossover_nodes(big, summed="summed-int8") <= 10
+    assert perfmodel.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
+
+
+def test_engine_summed_decode_equals_allgather_decode():
+    g = [torch.randn(3, 1000), torch.randn(3, 37)]
+    engines, items, gathered = _engine_roundtrip(3, g)
+    by_gather = [e.decode(it, gathered) for e, it in zip(engines, items)]
+    values = [e.encode_values(it, torch.float16) for e, it in zip(engines, items)]
+    summed = torch.stack(values).float().sum(0).half()
+    for e, it, ref in zip(engines, items, by_gather):
+        for a, b in zip(e.decode_sums(it, summed), ref):
+            assert torch.equal(a, b)

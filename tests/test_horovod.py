@@ -219,3 +219,28 @@ def test_mismatched_tensor_sizes_are_a_clear_error_on_every_rank():
 def test_harness_reports_a_failing_body():
     with pytest.raises(RankFailure):
         run_ranks("tests.test_horovod:body_train", np=2, timeout=120, args=("stock", {"clip": -1.0}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports (summed: code sums through an allreduce; identical bits to the allgather by construction)
+@pytest.mark.parametrize("np", [2, 4])
+def test_transports_give_bit_identical_averages(np):
+    runs = {}
+    for front, transport in [("hvd_terngrad", "allgather"), ("hvd_terngrad", "summed"),
+                             ("hvd_terngrad", "summed-int8"), ("stock", "summed"), ("stock", "allgather")]:
+        res = run_ranks("tests.test_horovod:body_train", np=np, timeout=120,
+                        args=(front, {"transport": transport}, 3))
+        assert all(torch.equal(r["params"], res[0]["params"]) for r in res)
+        runs[(front, transport)] = res[0]
+    ref = runs[("hvd_terngrad", "allgather")]["params"]
+    for key, r in runs.items():
+        assert torch.equal(r["params"], ref), key
+    # the summed transport sends 2 bytes per coded element, the allgather a quarter byte plus headers
+    assert runs[("hvd_terngrad", "summed")]["stats"]["bytes_sent"] > runs[("hvd_terngrad", "allgather")]["stats"][
+        "bytes_sent"]
+
+
+def test_summed_transport_is_exact_with_the_independent_decode():
+    res = run_ranks("tests.test_horovod:body_exact", np=4, timeout=120,
+                    args=("hvd_terngrad", 2, {"transport": "summed"}))
+    assert res[0]["checks"]["exact"] == 6

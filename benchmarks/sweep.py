@@ -1,0 +1,190 @@
+"""Throughput sweep on emulated clusters: {models} x {fp32, fp16, terngrad} x {ethernet-1g, fast} x {2, 4} nodes.
+
+    python benchmarks/sweep.py                 # the full sweep (about 10 minutes on 2 cores)
+    python benchmarks/sweep.py --quick         # fewer iterations
+    python benchmarks/sweep.py --models alexnet --nodes 2,4,8 --profiles ethernet-1g
+
+Every configuration runs in the same sweep, so the ratios are side by side. Writes into --out (default
+results/): sweep.json (every run, the probed links, wire-byte counters), sweep.png (throughput against
+nodes, one panel per profile, in the manner of the paper's Figure 5) and sweep.md (speedup table with
+TernGrad's per-phase time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster  # noqa: E402
+
+COMPRESSIONS = ("fp32", "fp16", "terngrad")
+
+
+def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
+    """method: fp32, fp16, terngrad or terngrad:<transport> (allgather, summed, summed-int8, auto)."""
+    compression, _, transport = method.partition(":")
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        out = Path(f.name)
+    argv = [sys.executable, "benchmarks/synthetic.py", "--model", model, "--compression", compression,
+            "--transport", transport or "allgather",
+            "--batch-size", str(args.batch_size), "--num-warmup-batches", str(args.warmup),
+            "--num-batches-per-iter", str(args.per_iter), "--num-iters", str(args.iters), "--iface", "eth0",
+            "--json", str(out), "--optimizer", args.optimizer]
+    t0 = time.perf_counter()
+    res = cluster.run(argv, timeout=args.timeout)
+    try:
+        if res.returncode != 0 or not out.read_text().strip():
+            raise RuntimeError(f"{model}/{method} on {cluster.describe()} failed (exit {res.returncode}):\n"
+                               f"{res.stdout[-3000:]}")
+        row = json.loads(out.read_text().strip().splitlines()[-1])
+    finally:
+        out.unlink(missing_ok=True)
+    row.update({"profile": cluster.profile.name, "nodes": cluster.nodes, "method": method,
+                "wall_seconds": time.perf_counter() - t0})
+    return row
+
+
+def _method(r: dict) -> str:
+    m = r.get("method") or r["compression"]
+    return "terngrad" if m == "terngrad:allgather" else m
+
+
+def transport_table(rows: list[dict]) -> str:
+    """img/s of each TernGrad transport side by side, and which one wins."""
+    methods = sorted({_method(r) for r in rows if r["compression"] == "terngrad"})
+    if len(methods) < 2:
+        return ""
+    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    keys = sorted({(r["model"], r["profile"], r["nodes"]) for r in rows})
+    lines = ["| model | profile | nodes | " + " | ".join(f"{m} img/s" for m in methods) + " | fastest |",
+             "|---|---|---:|" + "---:|" * len(methods) + "---|"]
+    for k in keys:
+        vals = {m: idx[(*k, m)]["img_sec_total"] for m in methods if (*k, m) in idx}
+        if not vals:
+            continue
+        best = max(vals, key=vals.get)
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(
+            f"{vals[m]:.0f}" if m in vals else "" for m in methods) + f" | {best} |")
+    return "\n".join(lines)
+
+
+def speedup_table(rows: list[dict]) -> str:
+    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    lines = ["| model | profile | nodes | FP32 img/s | fp16 img/s | TernGrad img/s | TernGrad/FP32 | TernGrad/fp16 | "
+             "TernGrad step: encode / comm / decode / rest (ms) | wire bytes/step/node: FP32 / TernGrad |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for (model, prof, n, comp), t in sorted(idx.items()):
+        if comp != "terngrad":
+            continue
+        f32, f16 = idx.get((model, prof, n, "fp32")), idx.get((model, prof, n, "fp16"))
+        step = t["step_seconds"] * 1e3
+        enc, com, dec = (t.get(k, 0.0) * 1e3 for k in ("time_encode", "time_comm", "time_decode"))
+        rest = step - enc - com - dec
+        lines.append(
+            f"| {model} | {prof} | {n} | {f32['img_sec_total'] if f32 else 0:.0f} | "
+            f"{f16['img_sec_total'] if f16 else 0:.0f} | {t['img_sec_total']:.0f} | "
+            f"{t['img_sec_total'] / f32['img_sec_total'] if f32 else 0:.2f}x | "
+            f"{t['img_sec_total'] / f16['img_sec_total'] if f16 else 0:.2f}x | "
+            f"{enc:.1f} / {com:.1f} / {dec:.1f} / {rest:.1f} | "
+            f"{f32['wire_tx_per_step'] if f32 else 0:,.0f} / {t['wire_tx_per_step']:,.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], probes: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({r["profile"] for r in rows})
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4.5), squeeze=False)
+    styles = {"fp32": ("o-", "FP32"), "fp16": ("s--", "fp16"), "terngrad": ("^-", "TernGrad"),
+              "terngrad:summed": ("v:", "TernGrad summed"), "terngrad:summed-int8": ("d:", "TernGrad int8"),
+              "terngrad:auto": ("x-.", "TernGrad auto")}
+    colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for ax, prof in zip(axes[0], profiles):
+        for m in models:
+            for comp, (style, label) in styles.items():
+                pts = sorted((r["nodes"], r["img_sec_total"]) for r in rows
+                             if r["profile"] == prof and r["model"] == m and _method(r) == comp)
+                if pts:
+                    ax.plot(*zip(*pts), style, color=colors[m], label=f"{m} {label}")
+        bw = probes.get(prof, {}).get("bandwidth_MBps")
+        ax.set_title(f"{prof}" + (f" (measured {bw:,.0f} MB/s per link)" if bw else ""))
+        ax.set_xlabel("nodes (1 worker each)")
+        ax.set_ylabel("training throughput, img/s (all workers)")
+        ax.set_xticks(sorted({r["nodes"] for r in rows}))
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("Synthetic training throughput on emulated clusters (CPU workers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="alexnet,vgg,googlenet,mlp")
+    ap.add_argument("--compressions", default=",".join(COMPRESSIONS),
+                    help="fp32, fp16, terngrad, or terngrad:<transport> (summed, summed-int8, auto)")
+    ap.add_argument("--profiles", default="ethernet-1g,fast")
+    ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--per-iter", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"))
+    ap.add_argument("--quick", action="store_true", help="1 warm-up batch, 2 iterations of 2 batches")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup, args.per_iter, args.iters = 1, 2, 2
+    models = args.models.split(",")
+    comps = args.compressions.split(",")
+    profiles = args.profiles.split(",")
+    nodes = [int(n) for n in args.nodes.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = len(models) * len(comps) * len(profiles) * len(nodes)
+    from tqdm import tqdm
+
+    rows, probes = [], {}
+    bar = tqdm(total=total, desc="sweep", ascii=True, file=sys.stdout)
+    try:
+        for prof in profiles:
+            for n in nodes:
+                with EmulatedCluster(n, PROFILES[prof]) as c:
+                    if prof not in probes:
+                        probes[prof] = c.probe() if n >= 2 else {}
+                        bar.write(f"{prof}: {json.dumps(probes[prof])}")
+                    for m in models:
+                        for comp in comps:
+                            row = run_one(c, m, comp, args)
+                            rows.append(row)
+                            bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: {row['img_sec_total']:8.1f} img/s "
+                                      f"(+-{row['img_sec_conf'] * n:.1f}), wire {row['wire_tx_per_step']:,.0f} B/step")
+                            bar.update(1)
+                            (out / "sweep.json").write_text(json.dumps({"probes": probes, "rows": rows}, indent=1))
+    except ClusterUnavailable as exc:
+        print(f"sweep: cannot emulate a cluster here: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    table = speedup_table(rows)
+    ttable = transport_table(rows)
+    if ttable:
+        table += "\n\nTernGrad transports:\n\n" + ttable
+    (out / "sweep.md").write_text(table + "\n")
+    plot(rows, probes, out / "sweep.png")
+    print("\n" + table)
+    print(f"\nwrote {out / 'sweep.json'}, {out / 'sweep.md'}, {out / 'sweep.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
