@@ -1,0 +1,74 @@
+"""Compare hvd_terngrad.perfmodel's communication time with the measured one, for every TernGrad run of a sweep.
+
+    python benchmarks/transport_check.py results/transports/sweep.json
+
+Prediction: the coded elements of the model (TernGradConfig defaults) through the run's transport, plus the
+scaler Max allreduce and the float pass-through tensors, on the probed link (bandwidth, RTT / 2 latency).
+Measured: the time TernGrad waited for communication per step (stats time_comm).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.synthetic import MODELS  # noqa: E402
+from hvd_terngrad import TernGradConfig  # noqa: E402
+from hvd_terngrad.perfmodel import Link, allreduce_time, choose_transport, transport_time  # noqa: E402
+
+
+def split(model: str) -> tuple[int, int, int]:
+    """(coded elements, coded tensors, float elements) under the default options."""
+    cfg = TernGradConfig()
+    coded = tensors = floats = 0
+    for name, p in MODELS[model]().named_parameters():
+        if cfg.compresses(name, p.numel()):
+            coded += p.numel()
+            tensors += 1
+        else:
+            floats += p.numel()
+    return coded, tensors, floats
+
+
+def predict_bytes(row: dict) -> float:
+    """Bytes a node sends per step under ring algorithms: the model behind perfmodel's bandwidth terms."""
+    coded, tensors, floats = split(row["model"])
+    n = row["nodes"]
+    transport = row.get("transport") or "allgather"
+    ring = 2 * (n - 1) / n
+    per = {"allgather": (n - 1) * (coded / 4 + 24 * tensors + 8 * tensors), "summed": ring * 2 * coded,
+           "summed-int8": ring * coded}[transport]
+    return per + ring * (16 * tensors + 4 * floats)
+
+
+def predict(row: dict, link: Link) -> float:
+    coded, tensors, floats = split(row["model"])
+    n = row["nodes"]
+    transport = row.get("transport") or "allgather"
+    if transport == "auto":
+        transport = choose_transport(coded, n, link, int8=True)
+    return (transport_time(transport, coded, n, link) + allreduce_time(16 * tensors, n, link)
+            + allreduce_time(4 * floats, n, link))
+
+
+def main(argv=None):
+    path = Path((argv or sys.argv[1:])[0])
+    data = json.loads(path.read_text())
+    print("| model | profile | nodes | transport | predicted bytes sent/step | measured (eth0) | ratio | "
+          "predicted comm (ms) | measured wait (ms) | ratio |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in data["rows"]:
+        if r["compression"] != "terngrad" or "time_comm" not in r:
+            continue
+        probe = data["probes"].get(r["profile"], {})
+        link = Link(bandwidth=probe["bandwidth_MBps"] * 1e6, latency=(probe.get("rtt_ms") or 0.05) / 2e3)
+        pred = predict(r, link) * 1e3
+        meas = r["time_comm"] * 1e3
+        pb, mb = predict_bytes(r), r["wire_tx_per_step"]
+        print(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r.get('transport') or 'allgather'} | "
+              f"{pb:,.0f} | {mb:,.0f} | {mb / pb:.3f} | {pred:.1f} | {meas:.1f} | {meas / pred:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
