@@ -4,9 +4,9 @@ pytorch_synthetic_benchmark.py), on CPU-sized versions of the paper's model fami
     horovodrun -np 2 python benchmarks/synthetic.py --model alexnet --compression terngrad
 
 Models (3x32x32 inputs, 10 classes):
-    alexnet    AlexNet-style, FC-heavy: two small convs, then 1600 -> 2048 -> 2048 -> 10 (7.9 M parameters)
-    vgg        VGG-A-style: 8 conv layers 64 .. 256, two 512-wide FC layers (3.1 M)
-    googlenet  GoogLeNet-style, conv-heavy: inception blocks, global pooling, one FC (0.6 M)
+    alexnet    AlexNet-style, FC-heavy: two small convs, then 1600 -> 2048 -> 2048 -> 10 (7.5 M parameters)
+    vgg        VGG-A-style: 8 conv layers 64 .. 256, two 512-wide FC layers (3.7 M)
+    googlenet  GoogLeNet-style, conv-heavy: inception blocks, global pooling, one FC (0.35 M)
     mlp        3072 -> 2048 -> 2048 -> 10 (10.5 M)
     wide       3072 -> 4096 -> 10 (12.6 M), little compute: for transport sweeps at batch size 4
     tiny       3072 -> 128 -> 10, for smoke tests
@@ -16,6 +16,7 @@ and for every method the gradient bytes each worker sends per step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -107,29 +108,20 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-class Wide(nn.Module):
-    """Little compute, many parameters (3072 -> 4096 -> 10, 12.6 M): communication-bound, for transport sweeps."""
+class FC(nn.Module):
+    """3072 -> hidden -> 10: `wide` (4096, 12.6 M parameters, communication-bound) and `tiny` (128, smoke tests)."""
 
-    def __init__(self):
+    def __init__(self, hidden: int):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4096), nn.ReLU(inplace=True), nn.Linear(4096, 10))
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.ReLU(inplace=True),
+                                 nn.Linear(hidden, 10))
 
     def forward(self, x):
         return self.net(x)
 
 
-class Tiny(nn.Module):
-    """For smoke tests: 3072 -> 128 -> 10."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 128), nn.ReLU(inplace=True), nn.Linear(128, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-
-MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP, "wide": Wide, "tiny": Tiny}
+MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP,
+          "wide": functools.partial(FC, 4096), "tiny": functools.partial(FC, 128)}
 
 
 def build_optimizer(model, compression: str, optimizer: str, seed: int = 0, transport: str = "allgather"):
