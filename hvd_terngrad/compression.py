@@ -69,7 +69,7 @@ class TernGrad(Compressor):
         self._process_set = process_set
         self._engine: TernGradEngine | None = None
         self._transport: HorovodTransport | None = None
-        self._by_grad: dict[int, str] = {}
+        self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
         self._calls = 0
         self._done = 0
 
@@ -90,12 +90,12 @@ class TernGrad(Compressor):
 
     def _name_of(self, tensor: torch.Tensor) -> str:
         if self._named is not None:
-            name = self._by_grad.get(id(tensor))
-            if name is None or dict(self._named)[name].grad is not tensor:
-                self._by_grad = {id(p.grad): n for n, p in self._named if p.grad is not None}
-                name = self._by_grad.get(id(tensor))
-            if name is not None:
-                return name
+            hit = self._by_grad.get(id(tensor))
+            if hit is None or hit[1].grad is not tensor:  # grads are replaced e.g. by zero_grad(set_to_none)
+                self._by_grad = {id(p.grad): (n, p) for n, p in self._named if p.grad is not None}
+                hit = self._by_grad.get(id(tensor))
+            if hit is not None:
+                return hit[0]
             warnings.warn("hvd_terngrad.TernGrad got a tensor that is no parameter's .grad; naming it by order",
                           stacklevel=3)
         return f"tensor.{self._calls}"

@@ -44,6 +44,8 @@ class HorovodTransport:
 
     def int8_sum_(self, values: torch.Tensor) -> torch.Tensor:
         """In-place int8 Sum allreduce through mpi4py on a duplicate of MPI_COMM_WORLD (blocking)."""
+        if values.is_cuda:
+            raise ValueError("transport='summed-int8' works on CPU tensors; use transport='summed' on GPUs")
         comm = self._int8_comm()
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
             comm.Allreduce(_mpi().IN_PLACE, values.numpy(), op=_mpi().SUM)
