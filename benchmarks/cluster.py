@@ -200,6 +200,9 @@ class EmulatedCluster:
         cmd = ["mpirun", "--allow-run-as-root", "-np", str(n), "-H", hosts, "--bind-to", "none",
                "--mca", "plm_rsh_agent", str(self.agent), "--mca", "plm_rsh_no_tree_spawn", "1",
                "--mca", "routed", "direct",
+               # Each namespace looks like a 1-slot node, so Open MPI would busy-poll while waiting and
+               # steal the shared cores from ranks that compute; yield instead, as on an oversubscribed node.
+               "--mca", "mpi_yield_when_idle", "1",
                "--mca", "oob_tcp_if_include", f"{self.subnet}.0/24",
                "--mca", "btl_tcp_if_include", f"{self.subnet}.0/24", "--mca", "btl", "tcp,self"]
         for k in sorted((env or {}).keys() | {"PATH", "PYTHONPATH", "OMP_NUM_THREADS"}):
