@@ -1,0 +1,281 @@
+"""Performance model: step time = compute + codec + communication - overlap, from measured parts.
+
+    python benchmarks/perf_model.py measure                 # compute time per model, one worker -> results/compute.json
+    python benchmarks/perf_model.py validate results/sweep.json
+    python benchmarks/perf_model.py extrapolate             # 1..512 GPUs, the paper's two clusters -> results/
+
+Inputs (measured, not guessed):
+- compute: forward + backward + update per model, one worker, one thread (`measure`); on the emulated
+  cluster N workers share C cores, so compute scales by max(1, N / C);
+- codec: GB/s of stats, ternarize+pack and decode (docs/codec-bench.json, benchmarks/codec_bench.py);
+- link: bandwidth and RTT probed by benchmarks/cluster.py (in sweep.json).
+Communication follows hvd_terngrad/perfmodel.py (ring allreduce, allgather, summed sums, scaler allreduce).
+Overlap: Horovod starts allreduces during backward, so FP32/fp16 communication hides behind backward up to
+the backward time; TernGrad's allgather overlaps likewise in hvd_terngrad.DistributedOptimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hvd_terngrad import TernGradConfig  # noqa: E402
+from hvd_terngrad.perfmodel import Link, allgather_time, allreduce_time  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Split:
+    coded: int  # elements TernGrad codes
+    tensors: int  # coded tensors
+    floats: int  # elements that pass through in float
+
+    @property
+    def total(self) -> int:
+        return self.coded + self.floats
+
+
+@dataclass(frozen=True)
+class Codec:
+    stats_Bps: float  # bytes of fp32 gradient per second
+    encode_Bps: float
+    decode4_Bps: float  # fp32 output bytes per second, 4 ranks
+
+    def seconds(self, coded: int, n: int) -> float:
+        b = 4.0 * coded
+        # decode reads n/4 bytes per rank and writes 4 per element: scale the 4-rank figure by traffic
+        dec = b / self.decode4_Bps * (16 + n) / 20
+        return b / self.stats_Bps + b / self.encode_Bps + dec
+
+
+def split_of(model: torch.nn.Module) -> Split:
+    cfg = TernGradConfig()
+    coded = tensors = floats = 0
+    for name, p in model.named_parameters():
+        if cfg.compresses(name, p.numel()):
+            coded, tensors = coded + p.numel(), tensors + 1
+        else:
+            floats += p.numel()
+    return Split(coded, tensors, floats)
+
+
+def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Link] | None = None) -> float:
+    """Communication per step. hier = (GPUs per node, intra-node link): reduce inside nodes over the fast
+    link, exchange between nodes over `link`, broadcast back inside nodes."""
+    if n <= 1:
+        return 0.0
+    g, intra = hier if hier else (1, link)
+    g = min(g, n)
+    m = max(1, n // g)  # nodes
+    if method in ("fp32", "fp16"):
+        width = 4 if method == "fp32" else 2
+        inside = 2 * allreduce_time(width * s.total, g, intra) if g > 1 else 0.0
+        return inside + allreduce_time(width * s.total, m, link)
+    floats = allreduce_time(4 * s.floats, n, link) if s.floats else 0.0
+    scalers = allreduce_time(16 * s.tensors, n, link)
+    if method == "terngrad":  # allgather: nodes exchange the codes of all their GPUs
+        inside = allgather_time(s.coded / 4, g, intra) if g > 1 else 0.0
+        return inside + allgather_time(g * (s.coded / 4 + 24 * s.tensors), m, link) + scalers + floats
+    if method in ("terngrad:summed", "terngrad:summed-int8"):
+        width = 2 if method == "terngrad:summed" else 1
+        inside = 2 * allreduce_time(width * s.coded, g, intra) if g > 1 else 0.0
+        return inside + allreduce_time(width * s.coded, m, link) + scalers + floats
+    raise ValueError(f"unknown method {method!r}")
+
+
+def step_seconds(method: str, s: Split, n: int, compute: float, backward: float, link: Link, codec: Codec | None,
+                 hier=None) -> dict:
+    comm = comm_seconds(method, s, n, link, hier)
+    cod = codec.seconds(s.coded, n) if (codec and method.startswith("terngrad") and n > 1) else 0.0
+    overlap = min(comm, backward) if n > 1 else 0.0
+    return {"compute": compute, "codec": cod, "comm": comm, "overlap": overlap,
+            "total": compute + cod + comm - overlap}
+
+
+# ---------------------------------------------------------------------------------------------
+def measure(models: list[str], batch: int, reps: int) -> dict:
+    from benchmarks.synthetic import MODELS
+
+    torch.set_num_threads(1)
+    out = {}
+    for m in models:
+        torch.manual_seed(0)
+        model = MODELS[m]()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+        fw = bw = up = 0.0
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if i >= 2:
+                fw, bw, up = fw + t1 - t0, bw + t2 - t1, up + t3 - t2
+        s = split_of(model)
+        out[m] = {"forward": fw / reps, "backward": bw / reps, "update": up / reps,
+                  "step": (fw + bw + up) / reps, "batch": batch, "coded": s.coded, "tensors": s.tensors,
+                  "floats": s.floats}
+        print(f"{m:>10}: step {out[m]['step'] * 1e3:.1f} ms (backward {out[m]['backward'] * 1e3:.1f} ms)", flush=True)
+    return out
+
+
+def load_codec(path: Path) -> Codec:
+    rows = json.loads(path.read_text())["cpu"]
+    r = min((r for r in rows if r["threads"] == 1), key=lambda r: abs(r["n"] - 16 * 2**20))
+    return Codec(r["stats"] * 1e9, r["encode"] * 1e9, r["decode"] * 1e9)
+
+
+def validate(sweep: dict, compute: dict, codec: Codec, cores: int) -> list[dict]:
+    out = []
+    for r in sweep["rows"]:
+        c = compute.get(r["model"])
+        if c is None:
+            continue
+        probe = sweep["probes"][r["profile"]]
+        link = Link(probe["bandwidth_MBps"] * 1e6, (probe.get("rtt_ms") or 0.05) / 2e3)
+        n = r["nodes"]
+        share = max(1.0, n / cores)
+        method = r.get("method") or r["compression"]
+        method = "terngrad" if method == "terngrad:allgather" else method
+        s = Split(c["coded"], c["tensors"], c["floats"])
+        scale = r["batch_size"] / c["batch"]
+        p = step_seconds(method, s, n, c["step"] * scale * share, c["backward"] * scale * share, link, codec)
+        p_codec = p["codec"] * share
+        pred = p["total"] - p["codec"] + p_codec
+        out.append({"model": r["model"], "profile": r["profile"], "nodes": n, "method": method,
+                    "predicted_ms": pred * 1e3, "measured_ms": r["step_seconds"] * 1e3,
+                    "error": r["step_seconds"] / pred - 1})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's three networks. Parameters: AlexNet 61.0 M (Krizhevsky et al., NIPS 2012), GoogLeNet 6.8 M
+# (Szegedy et al., CVPR 2015, Table 1), VGG-A 132.9 M (Simonyan & Zisserman, ICLR 2015, Table 2).
+# Per-GPU throughput: TensorFlow's published benchmarks (tensorflow.org/performance/benchmarks, May 2017,
+# one Tesla P100, synthetic ImageNet): AlexNet 2987 img/s at batch 512, VGG16 154 img/s at batch 64,
+# InceptionV3 142 img/s at batch 64. VGG-A and GoogLeNet are not in that table; they are scaled from VGG16
+# and InceptionV3 by forward operation counts (Canziani et al., "An Analysis of Deep Neural Network Models
+# for Practical Applications", 2016: VGG-16 15.5, VGG-11/A 7.6, Inception-v3 5.7, GoogLeNet 1.5 G-ops).
+PAPER_MODELS = {
+    "AlexNet": {"params": 61.0e6, "fc_share": 58.6 / 61.0, "img_s": 2987.0, "batch": 512},
+    "GoogLeNet": {"params": 6.8e6, "fc_share": 1.0 / 6.8, "img_s": 142.0 * 5.7 / 1.5, "batch": 64},
+    "VGG-A": {"params": 132.9e6, "fc_share": 123.6 / 132.9, "img_s": 154.0 * 15.5 / 7.6, "batch": 64},
+}
+# The paper's two clusters (Figure 5): 1 Gbps Ethernet between nodes with PCIe inside them, and 100 Gbps
+# InfiniBand between nodes with NVLink inside them; 128 nodes x 4 GPUs = 512 GPUs.
+CLUSTERS = {
+    "1 Gbps Ethernet + PCIe": {"inter": Link(125e6, 50e-6), "intra": Link(12e9, 10e-6), "gpus_per_node": 4},
+    "100 Gbps InfiniBand + NVLink": {"inter": Link(12.5e9, 5e-6), "intra": Link(80e9, 5e-6), "gpus_per_node": 4},
+}
+GPU_CODEC = Codec(440e9, 440e9, 440e9)  # 0.6 x P100 memory bandwidth (732 GB/s), the codec issue's GPU goal
+
+
+def extrapolate(out_dir: Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [2**k for k in range(10)]  # 1 .. 512
+    methods = {"fp32": "FP32", "terngrad": "TernGrad allgather", "terngrad:summed": "TernGrad summed"}
+    fig, axes = plt.subplots(len(CLUSTERS), len(PAPER_MODELS), figsize=(15, 8), squeeze=False)
+    summary = {}
+    for i, (cname, cl) in enumerate(CLUSTERS.items()):
+        for j, (mname, m) in enumerate(PAPER_MODELS.items()):
+            s = Split(int(m["params"] * 0.999), 20, int(m["params"] * 0.001))
+            compute = m["batch"] / m["img_s"]
+            backward = compute * 2 / 3
+            ax = axes[i][j]
+            curves = {}
+            for meth, label in methods.items():
+                ys = []
+                for n in gpus:
+                    t = step_seconds(meth, s, n, compute, backward, cl["inter"], GPU_CODEC,
+                                     hier=(cl["gpus_per_node"], cl["intra"]))["total"]
+                    ys.append(n * m["batch"] / t)
+                curves[meth] = ys
+                ax.plot(gpus, ys, marker="o", ms=3, label=label)
+            ax.plot(gpus, [n * m["img_s"] for n in gpus], "k:", lw=1, label="linear")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{mname} — {cname}", fontsize=9)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("img/s")
+            ax.grid(alpha=0.3)
+            cross = next((n for n, a, b in zip(gpus, curves["terngrad"], curves["terngrad:summed"]) if b > a), None)
+            nodes = None if cross is None else max(1, cross // cl["gpus_per_node"])
+            summary[f"{mname} / {cname}"] = {
+                "speedup_terngrad_512": curves["terngrad"][-1] / curves["fp32"][-1],
+                "speedup_summed_512": curves["terngrad:summed"][-1] / curves["fp32"][-1],
+                "summed_beats_allgather_from_gpus": cross, "from_nodes": nodes}
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Performance model: training throughput, 1 to 512 GPUs (4 per node)")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "perf_model.png", dpi=110)
+    (out_dir / "perf_model.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("measure")
+    p.add_argument("--models", default="alexnet,vgg,googlenet,mlp,wide")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="results/compute.json")
+    p = sub.add_parser("validate")
+    p.add_argument("sweep", nargs="+")
+    p.add_argument("--compute", default="results/compute.json")
+    p.add_argument("--codec", default="docs/codec-bench.json")
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    p = sub.add_parser("extrapolate")
+    p.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    if args.cmd == "measure":
+        res = measure(args.models.split(","), args.batch_size, args.reps)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return 0
+    if args.cmd == "validate":
+        compute = json.loads(Path(args.compute).read_text())
+        codec = load_codec(Path(args.codec))
+        rows = []
+        for path in args.sweep:
+            rows += validate(json.loads(Path(path).read_text()), compute, codec, args.cores)
+        print("| model | profile | nodes | method | predicted step (ms) | measured (ms) | error |")
+        print("|---|---|---:|---|---:|---:|---:|")
+        for r in rows:
+            flag = "" if abs(r["error"]) <= 0.15 else " **"
+            print(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r['method']} | {r['predicted_ms']:.1f} | "
+                  f"{r['measured_ms']:.1f} | {r['error']:+.0%}{flag} |")
+        ok = sum(abs(r["error"]) <= 0.15 for r in rows)
+        print(f"\nwithin +-15%: {ok} of {len(rows)}; median |error| "
+              f"{sorted(abs(r['error']) for r in rows)[len(rows) // 2]:.0%}")
+        return 0
+    summary = extrapolate(Path(args.out))
+    print("| model / cluster | TernGrad allgather / FP32 at 512 GPUs | summed / FP32 at 512 | "
+          "summed beats allgather from |")
+    print("|---|---:|---:|---|")
+    for k, v in summary.items():
+        frm = ("never (<= 512)" if v["from_nodes"] is None
+               else f"{v['summed_beats_allgather_from_gpus']} GPUs ({v['from_nodes']} nodes)")
+        print(f"| {k} | {v['speedup_terngrad_512']:.1f}x | {v['speedup_summed_512']:.1f}x | {frm} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
