@@ -5,7 +5,7 @@
 
 How it fits the stock optimizer: Horovod calls compress(grad) in the backward hook and allreduces what
 it returns, then calls decompress(output, ctx) in synchronize(). compress() therefore shares the scaler
-(a blocking Max allreduce of 8 bytes), ternarizes and packs the gradient and starts an allgather of the
+(a blocking Max allreduce of 16 bytes), ternarizes and packs the gradient and starts an allgather of the
 packed record itself; it hands Horovod a 1-element placeholder to allreduce. decompress() waits for the
 allgather and decodes the average. Small or excluded tensors pass through unchanged (plain average).
 

@@ -167,7 +167,7 @@ class TernGradEngine:
                 off += wire.record_size(it.numel)
         for it in items:
             self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
-                                 scaler_bytes=8 if shared else 0)
+                                 scaler_bytes=16 if shared else 0)
         return payload
 
     def encode_values(self, items: list[Item], dtype: torch.dtype) -> torch.Tensor:
