@@ -9,9 +9,9 @@ Per worker, for a gradient of n elements on N workers over links of bandwidth B 
     TernGrad summed, int8   2 (N-1) a + 2 (N-1)/N * n / B             through mpi4py, exact for N <= 127
     + scaler sharing        2 (N-1) a + 8 k / B for k tensors (one small Max allreduce)
 
-Bandwidth terms alone put the allgather/summed-fp16 crossover at N = 16 (N/4 against 4(N-1)/N... bytes:
-(N-1) n/4 = 4 n (N-1)/N  <=>  N = 16) and the allgather/summed-int8 crossover at N = 8; latency moves it
-slightly higher because the allgather needs half the steps. `choose_transport` applies this model.
+Bandwidth terms alone put the allgather/summed-fp16 crossover at N = 16, where (N-1) n/4 = 4n (N-1)/N, and
+the allgather/summed-int8 crossover at N = 8; latency moves both slightly higher because the allgather needs
+half the steps. `choose_transport` applies this model.
 """
 from __future__ import annotations
 
