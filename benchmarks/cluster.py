@@ -94,8 +94,9 @@ class EmulatedCluster:
         self.created_ns: list[str] = []
         self.created_links: list[str] = []
         self.netem = False
-        self.workdir = Path(tempfile.mkdtemp(prefix="hvdtg-cluster-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"hvdtg-cluster-{self.tag}-"))
         self._old_handlers = {}
+        self._jobs: list[subprocess.Popen] = []  # running mpirun process groups, killed by cleanup()
 
     # names -----------------------------------------------------------------------------------
     def ns(self, i: int) -> str:
@@ -179,6 +180,13 @@ class EmulatedCluster:
         self.agent = agent
 
     def cleanup(self):
+        for proc in self._jobs:  # first the jobs: mpirun runs in its own session, so kill its group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self._jobs.clear()
+        self._kill_daemons()
         for ns in reversed(self.created_ns):
             _run(["ip", "netns", "del", ns], check=False)
         self.created_ns.clear()
@@ -186,6 +194,15 @@ class EmulatedCluster:
             _run(["ip", "link", "del", link], check=False)
         self.created_links.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill_daemons(self) -> None:
+        """Kill every process inside this cluster's namespaces: orted daemons detach from mpirun, and the
+        ranks they started would outlive them. Only our namespaces are asked, so only our processes die."""
+        for ns in self.created_ns:
+            pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
 
     # use -------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -216,6 +233,7 @@ class EmulatedCluster:
         full_env.update(env or {})
         proc = subprocess.Popen(self.mpirun(argv, env), env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
+        self._jobs.append(proc)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -223,6 +241,13 @@ class EmulatedCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             raise TimeoutError(f"job on the emulated cluster exceeded {timeout:.0f} s:\n{out[-3000:]}") from None
+        except BaseException:  # Ctrl-C, SIGTERM: never leave mpirun and its daemons behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            if proc.poll() is not None and proc in self._jobs:
+                self._jobs.remove(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
     def counters(self) -> list[dict]:

@@ -54,8 +54,9 @@ def test_two_node_smoke_run_over_a_shaped_link(tmp_path):
 
 def test_ctrl_c_cleans_up():
     before = _namespaces()
+    marker = f"6{os.getpid() % 1000:03d}"  # a sleep length no other process uses: the ranks' command
     proc = subprocess.Popen([sys.executable, "benchmarks/cluster.py", "run", "--nodes", "2", "--profile", "fast",
-                             "--", "sleep", "60"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--", "sleep", marker], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (_namespaces() - before):
@@ -69,6 +70,14 @@ def test_ctrl_c_cleans_up():
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     tag = next(iter(created)).split("-")[1]
     assert f"tgb{tag}" not in links and f"tgh{tag}" not in links
+    deadline = time.monotonic() + 5  # the job's processes (mpirun, orted, the ranks) are gone too
+    while True:
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if f"hvdtg-cluster-{tag}-" in line or line == f"sleep {marker}"]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, left
 
 
 def test_refuses_clearly_without_root():
