@@ -161,14 +161,18 @@ class TernGradEngine:
                                          nthreads=cfg.num_threads)
                 wire.zero_padding(rec, it.numel)
                 if cfg.error_feedback and it.nonfinite_rank < 0:
-                    local = codec.decode_sum([codes], [it.scaler], True, it.numel, backend=cfg.backend,
-                                             nthreads=cfg.num_threads)
-                    self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
+                    self._keep_residual(it, codec.decode_sum([codes], [1.0], True, it.numel, backend=cfg.backend,
+                                                             nthreads=cfg.num_threads))
                 off += wire.record_size(it.numel)
         for it in items:
             self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
                                  scaler_bytes=16 if shared else 0)
         return payload
+
+    def _keep_residual(self, it: Item, b: torch.Tensor) -> None:
+        """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""
+        local = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
+        self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
 
     def encode_values(self, items: list[Item], dtype: torch.dtype) -> torch.Tensor:
         """The summed transport's payload: every code as a value in {-1, 0, 1} (fp16 or int8), back to back."""
@@ -189,8 +193,7 @@ class TernGradEngine:
                     b = codec.decode_sum([codes], [1.0], True, it.numel, backend=cfg.backend, nthreads=cfg.num_threads)
                     values[off: off + it.numel].copy_(b)
                     if cfg.error_feedback:
-                        local = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
-                        self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
+                        self._keep_residual(it, b)
                 off += it.numel
         for it in items:
             self.stats.add_coded(it.numel * values.element_size(), it.numel * it.flat.element_size(), self.size,

@@ -213,22 +213,19 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._synchronized = True
-        step = self._engine.step
-        self._engine.next_step()
-        if bad or float_bad:
-            if self._cfg.on_nonfinite == "skip":
-                self._skip_next_step = True
-                self._engine.stats.last.skipped = True
-                return
-            if bad:
-                self._engine.step = step  # name the step the error happened in
-                try:
-                    self._engine.raise_nonfinite(bad)
-                finally:
-                    self._engine.step = step + 1
-            raise NonFiniteGradientError(
-                f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} (a float pass-through "
-                f"tensor) at step {step} on rank {self._engine.rank}; every rank sees the same average")
+        try:
+            if bad or float_bad:
+                if self._cfg.on_nonfinite == "skip":
+                    self._skip_next_step = True
+                    self._engine.stats.current.skipped = True
+                    return
+                self._engine.raise_nonfinite(bad)
+                raise NonFiniteGradientError(
+                    f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} (a float pass-through "
+                    f"tensor) at step {self._engine.step} on rank {self._engine.rank}; every rank sees the same "
+                    f"average")
+        finally:
+            self._engine.next_step()
 
     @contextmanager
     def skip_synchronize(self):
