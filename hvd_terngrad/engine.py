@@ -64,6 +64,7 @@ class TernGradEngine:
         self.residuals: dict[str, torch.Tensor] = {}
         self.stats = StatsRecorder()
         self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
+        self._scratch_buf: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------
     def next_step(self) -> None:
@@ -190,7 +191,8 @@ class TernGradEngine:
                 else:
                     codes = codec.ternarize_pack(it.flat, it.scaler, self.key(it), backend=cfg.backend,
                                                  nthreads=cfg.num_threads)
-                    b = codec.decode_sum([codes], [1.0], True, it.numel, backend=cfg.backend, nthreads=cfg.num_threads)
+                    b = codec.decode_sum([codes], [1.0], True, it.numel, out=self._scratch(it.numel, dev),
+                                         backend=cfg.backend, nthreads=cfg.num_threads)
                     values[off: off + it.numel].copy_(b)
                     if cfg.error_feedback:
                         self._keep_residual(it, b)
@@ -200,17 +202,31 @@ class TernGradEngine:
                                  scaler_bytes=16)
         return values
 
-    def decode_sums(self, items: list[Item], summed: torch.Tensor) -> list[torch.Tensor]:
-        """The averages from the summed codes: fl32((sum of codes) * fl32(s / N)), as the allgather decode."""
+    def _scratch(self, n: int, device: torch.device) -> torch.Tensor:
+        """A reused fp32 buffer: the values encoder's ±1 codes would otherwise be a fresh (page-faulting)
+        allocation per tensor and step."""
+        buf = self._scratch_buf
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = self._scratch_buf = torch.empty(n, dtype=torch.float32, device=device)
+        return buf[:n]
+
+    def decode_sums(self, items: list[Item], summed: torch.Tensor,
+                    outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """The averages from the summed codes: fl32((sum of codes) * fl32(s / N)), as the allgather decode.
+
+        outs: optional destinations (contiguous fp32, one per item, or None), written in place."""
         with self.stats.timed("decode"):
             if summed.numel() != sum(it.numel for it in items):
                 raise PayloadMismatchError(
                     f"hvd_terngrad: received {summed.numel()} code sums for tensors starting with {items[0].name!r}, "
                     f"expected {sum(it.numel for it in items)} (rank {self.rank})")
             out = []
-            for it in items:
+            for i, it in enumerate(items):
                 post = torch.tensor(it.scaler, dtype=torch.float32, device=summed.device) / self.size
-                out.append(summed[it.offset: it.offset + it.numel].float() * post)
+                dst = outs[i] if outs and outs[i] is not None else torch.empty(it.numel, dtype=torch.float32,
+                                                                               device=summed.device)
+                dst.copy_(summed[it.offset: it.offset + it.numel])  # exact: integers |v| <= N
+                out.append(dst.mul_(post))
         return out
 
     def decode(self, items: list[Item], gathered: torch.Tensor,

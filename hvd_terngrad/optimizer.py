@@ -187,15 +187,15 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._send(b, self._transport.wait(b.scaler_handle))
             bad: list[Item] = []
             for b in self._buckets:
+                # decode straight into fp32 gradients; other dtypes are converted below
+                direct = [p.grad.view(-1) if p.grad.dtype == torch.float32 and p.grad.is_contiguous() else None
+                          for p in b.params]
                 if b.kind == "allgather":
-                    # decode straight into fp32 gradients; other dtypes are converted below
-                    direct = [p.grad.view(-1) if p.grad.dtype == torch.float32 and p.grad.is_contiguous() else None
-                              for p in b.params]
                     outs = self._engine.decode(b.items, self._transport.wait(b.gather_handle), outs=direct)
                 elif b.kind == "summed":
-                    outs = self._engine.decode_sums(b.items, self._transport.wait(b.gather_handle))
+                    outs = self._engine.decode_sums(b.items, self._transport.wait(b.gather_handle), outs=direct)
                 else:
-                    outs = self._engine.decode_sums(b.items, self._transport.int8_sum_(b.values))
+                    outs = self._engine.decode_sums(b.items, self._transport.int8_sum_(b.values), outs=direct)
                 bad += self._engine.nonfinite(b.items)
                 for p, out in zip(b.params, outs):
                     if out.data_ptr() != p.grad.data_ptr():
