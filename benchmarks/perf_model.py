@@ -131,6 +131,116 @@ def measure(models: list[str], batch: int, reps: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The emulated cluster as measured by benchmarks/calibrate.py: N nodes that share this machine's cores and
+# TCP stack. Compute and codec times are those of N workers running at once; each collective's time is read
+# off its measured curve (piecewise linear through the measured payload sizes, extended by the last
+# segment's slope), which keeps the token-bucket burst of small messages and the TCP losses of large ones
+# that a single latency + bandwidth pair averages away.
+class Curve:
+    def __init__(self, points: list[tuple[float, float]]):
+        self.pts = sorted((float(b), float(t)) for b, t in points)
+
+    def __call__(self, nbytes: float) -> float:
+        pts = self.pts
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One calibrated (profile, N) cluster."""
+
+    nodes: int
+    compute: dict  # "model:batch" -> {"step": s, "backward": s}
+    codec_s_per_elem: dict  # transport -> {"encode": s, "decode": s} per element, the decode of N ranks
+    curves: dict  # collective kind -> Curve of seconds against bytes per worker
+
+    @classmethod
+    def from_json(cls, cal: dict) -> Host:
+        return cls(cal["nodes"], cal["compute"], cal["codec"],
+                   {k: Curve(v["points"]) for k, v in cal["collectives"].items()})
+
+
+def buckets_of(model: torch.nn.Module, bucket_bytes: int = 4 << 20) -> tuple[list[tuple[int, int]], int]:
+    """hvd_terngrad.DistributedOptimizer's buckets, as (coded elements, tensors), and the pass-through floats."""
+    cfg = TernGradConfig()
+    buckets, floats, cur, cur_t = [], 0, 0, 0
+    for name, p in reversed(list(model.named_parameters())):
+        if not cfg.compresses(name, p.numel()):
+            floats += p.numel()
+            continue
+        cur, cur_t = cur + p.numel(), cur_t + 1
+        if 4 * cur >= bucket_bytes:
+            buckets.append((cur, cur_t))
+            cur, cur_t = 0, 0
+    if cur:
+        buckets.append((cur, cur_t))
+    return buckets, floats
+
+
+def host_comm_seconds(method: str, buckets: list[tuple[int, int]], floats: int, host: Host) -> float:
+    """Communication per step on a calibrated host: Horovod fuses FP32/fp16 gradients into one allreduce;
+    TernGrad sends per bucket a scaler Max allreduce (4 fp32 per tensor) and its codes, and the pass-through
+    floats in one fused fp32 allreduce."""
+    c = host.curves
+    total = sum(e for e, _ in buckets) + floats
+    if method == "fp32":
+        return c["allreduce_fp32"](4 * total)
+    if method == "fp16":
+        return c["allreduce_fp16"](2 * total)
+    t = c["allreduce_fp32"](4 * floats) if floats else 0.0
+    for elems, tensors in buckets:
+        t += c["allreduce_fp32"](16 * tensors)
+        if method == "terngrad":
+            t += c["allgather_u8"]((elems + 3) // 4 + 24 * tensors)
+        elif method == "terngrad:summed":
+            t += c["allreduce_fp16"](2 * elems)
+        elif method == "terngrad:summed-int8":
+            t += c["allreduce_int8"](elems)
+        else:
+            raise ValueError(f"unknown method {method!r}")
+    return t
+
+
+def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: bool = False) -> dict:
+    from benchmarks.synthetic import MODELS
+
+    torch.manual_seed(0)
+    buckets, floats = buckets_of(MODELS[model]())
+    comp = host.compute[f"{model}:{batch}"]
+    comm = host_comm_seconds(method, buckets, floats, host)
+    coded = sum(e for e, _ in buckets)
+    cod = 0.0
+    if method.startswith("terngrad"):
+        k = host.codec_s_per_elem[method.partition(":")[2] or "allgather"]
+        cod = coded * (k["encode"] + k["decode"])
+    ov = min(comm, comp["backward"]) if overlap else 0.0
+    return {"compute": comp["step"], "codec": cod, "comm": comm, "overlap": ov,
+            "total": comp["step"] + cod + comm - ov}
+
+
+def validate_host(sweep: dict, hosts: dict, overlap: bool = False) -> list[dict]:
+    out = []
+    for r in sweep["rows"]:
+        host = hosts.get((r["profile"], r["nodes"]))
+        if host is None or f"{r['model']}:{r['batch_size']}" not in host.compute:
+            continue
+        method = r.get("method") or r["compression"]
+        method = "terngrad" if method == "terngrad:allgather" else method
+        p = host_step_seconds(method, r["model"], r["batch_size"], host, overlap)
+        out.append({"model": r["model"], "profile": r["profile"], "nodes": r["nodes"], "method": method,
+                    "predicted_ms": p["total"] * 1e3, "measured_ms": r["step_seconds"] * 1e3,
+                    "error": r["step_seconds"] / p["total"] - 1,
+                    "parts_ms": {k: v * 1e3 for k, v in p.items() if k != "total"}})
+    return out
+
+
 def load_codec(path: Path) -> Codec:
     rows = json.loads(path.read_text())["cpu"]
     r = min((r for r in rows if r["threads"] == 1), key=lambda r: abs(r["n"] - 16 * 2**20))
@@ -229,6 +339,26 @@ def extrapolate(out_dir: Path) -> dict:
     return summary
 
 
+def validation_table(rows: list[dict]) -> str:
+    parts = any("parts_ms" in r for r in rows)
+    lines = ["| model | profile | nodes | method | predicted step (ms) | measured (ms) | error |"
+             + (" compute / codec / comm (ms) |" if parts else ""),
+             "|---|---|---:|---|---:|---:|---:|" + ("---|" if parts else "")]
+    for r in rows:
+        flag = "" if abs(r["error"]) <= 0.15 else " **"
+        line = (f"| {r['model']} | {r['profile']} | {r['nodes']} | {r['method']} | {r['predicted_ms']:.1f} | "
+                f"{r['measured_ms']:.1f} | {r['error']:+.0%}{flag} |")
+        if parts:
+            q = r["parts_ms"]
+            line += f" {q['compute']:.0f} / {q['codec']:.1f} / {q['comm']:.0f} |"
+        lines.append(line)
+    ok = sum(abs(r["error"]) <= 0.15 for r in rows)
+    errs = sorted(abs(r["error"]) for r in rows)
+    lines.append(f"\nwithin +-15%: {ok} of {len(rows)}; median |error| {errs[len(errs) // 2]:.0%}, "
+                 f"worst {errs[-1]:.0%}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -242,6 +372,13 @@ def main(argv=None):
     p.add_argument("--compute", default="results/compute.json")
     p.add_argument("--codec", default="docs/codec-bench.json")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--calibration", nargs="*", default=None,
+                   help="calibration JSON files (benchmarks/calibrate.py, or a sweep run with --calibrate); "
+                        "default: the 'calibration' entries of the sweep files")
+    p.add_argument("--link-only", action="store_true",
+                   help="the link-probe model: 1-worker compute scaled by N/cores, probed link bandwidth")
+    p.add_argument("--overlap", action="store_true", help="let communication hide behind backward")
+    p.add_argument("--markdown", help="also write the table here")
     p = sub.add_parser("extrapolate")
     p.add_argument("--out", default="results")
     args = ap.parse_args(argv)
@@ -251,20 +388,28 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(res, indent=1))
         return 0
     if args.cmd == "validate":
-        compute = json.loads(Path(args.compute).read_text())
-        codec = load_codec(Path(args.codec))
+        sweeps = [json.loads(Path(path).read_text()) for path in args.sweep]
         rows = []
-        for path in args.sweep:
-            rows += validate(json.loads(Path(path).read_text()), compute, codec, args.cores)
-        print("| model | profile | nodes | method | predicted step (ms) | measured (ms) | error |")
-        print("|---|---|---:|---|---:|---:|---:|")
-        for r in rows:
-            flag = "" if abs(r["error"]) <= 0.15 else " **"
-            print(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r['method']} | {r['predicted_ms']:.1f} | "
-                  f"{r['measured_ms']:.1f} | {r['error']:+.0%}{flag} |")
-        ok = sum(abs(r["error"]) <= 0.15 for r in rows)
-        print(f"\nwithin +-15%: {ok} of {len(rows)}; median |error| "
-              f"{sorted(abs(r['error']) for r in rows)[len(rows) // 2]:.0%}")
+        if args.link_only:
+            compute = json.loads(Path(args.compute).read_text())
+            codec = load_codec(Path(args.codec))
+            for sw in sweeps:
+                rows += validate(sw, compute, codec, args.cores)
+        else:
+            cals = [c for sw in sweeps for c in sw.get("calibration", [])]
+            for path in args.calibration or []:
+                cals += json.loads(Path(path).read_text())["calibration"]
+            if not cals:
+                print("validate: no calibration (run benchmarks/calibrate.py or sweep.py --calibrate), "
+                      "or pass --link-only", file=sys.stderr)
+                return 2
+            hosts = {(c["profile"], c["nodes"]): Host.from_json(c) for c in cals}
+            for sw in sweeps:
+                rows += validate_host(sw, hosts, args.overlap)
+        text = validation_table(rows)
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
         return 0
     summary = extrapolate(Path(args.out))
     print("| model / cluster | TernGrad allgather / FP32 at 512 GPUs | summed / FP32 at 512 | "

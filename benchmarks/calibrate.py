@@ -1,0 +1,223 @@
+"""Measure the performance model's host and link inputs on an emulated cluster, without training.
+
+    python benchmarks/calibrate.py --nodes 2,4,8 --profiles ethernet-1g,fast     # -> results/calibration.json
+    python benchmarks/sweep.py --calibrate ...                                    # the same, inside the sweep
+
+On every (profile, N) cluster, one job of N ranks measures:
+- compute: forward + backward + SGD update of each model, all N ranks at once and no communication, each
+  step started by a barrier and timed as its slowest rank, as a synchronous step is. The N
+  emulated nodes share this machine's cores, so this is the compute time a worker of that cluster sees;
+  on a real cluster it equals the 1-worker time (benchmarks/perf_model.py measure).
+- codec: the engine's encode (stats, ternarize, pack) and decode of a 1M-element bucket for each transport,
+  all ranks at once.
+- collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
+  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, with nothing
+  else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
+  (allreduce 2 (N-1)/N * bytes, allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a
+  is the per-call latency and B the effective bandwidth the link, MPI and the host's TCP stack together give.
+
+None of the sweep's models or payload sizes is an input of the fit, so validating the model against the
+sweep (benchmarks/perf_model.py validate) tests it on data it was not fitted to.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Per-worker payload bytes of each collective: spans the sweep's range (tens of kB of scalers and pass-through
+# floats, up to the 50 MB fp32 gradient of `wide`) without copying any of its sizes.
+SIZES = {
+    "allreduce_fp32": [2**14, 2**18, 2**21, 2**23, 3 * 2**24],
+    "allreduce_fp16": [2**14, 2**18, 2**21, 2**23, 3 * 2**23],
+    "allgather_u8": [2**12, 2**16, 2**19, 2**21, 3 * 2**20],
+    "allreduce_int8": [2**14, 2**18, 2**21, 2**23, 3 * 2**22],
+}
+DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
+
+
+def bandwidth_bytes(kind: str, nbytes: float, n: int) -> float:
+    """The bytes term of hvd_terngrad/perfmodel.py for one call of `kind` with `nbytes` per worker."""
+    return (n - 1) * nbytes if kind.startswith("allgather") else 2 * (n - 1) / n * nbytes
+
+
+def fit(points: list[tuple[float, float]]) -> dict:
+    """Least squares of t = a + x / B, weighted by 1/t (relative error), a >= 0."""
+    w = [1.0 / t for _, t in points]
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * x for wi, (x, _) in zip(w, points))
+    st = sum(wi * wi * t for wi, (_, t) in zip(w, points))
+    sxx = sum(wi * wi * x * x for wi, (x, _) in zip(w, points))
+    sxt = sum(wi * wi * x * t for wi, (x, t) in zip(w, points))
+    den = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / den
+    a = (st - slope * sx) / sw
+    if a < 0:  # through the origin
+        a, slope = 0.0, sxt / sxx
+    worst = max(abs((a + x * slope) / t - 1) for x, t in points)
+    return {"latency_s": a, "bandwidth_Bps": 1.0 / slope, "worst_fit_error": worst}
+
+
+# ---------------------------------------------------------------------------------------------- rank side
+def _rank_main(args) -> None:
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.synthetic import MODELS
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.engine import TernGradEngine
+    from hvd_terngrad.transport import HorovodTransport
+
+    hvd.init()
+    torch.set_num_threads(1)
+    n, rank = hvd.size(), hvd.rank()
+
+    def slowest(v: list[float]) -> float:
+        """Mean over steps of the slowest rank's time: a synchronous step waits for it."""
+        allv = hvd.allgather(torch.tensor([v], dtype=torch.float64), name="cal.slowest")
+        return allv.max(dim=0).values.mean().item()
+
+    out = {"nodes": n, "compute": {}, "codec": {}, "collectives": {}}
+    for spec in args.workloads.split(","):
+        name, _, bs = spec.partition(":")
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(int(bs), 3, 32, 32), torch.randint(0, 10, (int(bs),))
+        steps, backs = [], []
+        for i in range(args.compute_reps + 2):
+            hvd.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            if i >= 2:
+                steps.append(time.perf_counter() - t0)
+                backs.append(t2 - t1)
+        out["compute"][spec] = {"step": slowest(steps), "backward": slowest(backs)}
+
+    # The engine's work for one default bucket (1M elements = 4 MB of fp32), per transport, all ranks at once.
+    m = 1 << 20
+    grad = torch.randn(m)
+    cfg = TernGradConfig(num_threads=1)
+    engines = [TernGradEngine(cfg, r, n) for r in range(n)]
+    gathered = torch.cat([e.encode([e.prepare("cal", grad)]) for e in engines])
+    eng = engines[rank]
+    for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8)):
+        enc, dec = [], []
+        for i in range(args.codec_reps + 1):
+            hvd.barrier()
+            t0 = time.perf_counter()
+            items = [eng.prepare("cal", grad)]
+            if dtype is None:
+                eng.encode(items)
+                t1 = time.perf_counter()
+                eng.decode(items, gathered)
+            else:
+                vals = eng.encode_values(items, dtype)
+                t1 = time.perf_counter()
+                eng.decode_sums(items, vals)
+            t2 = time.perf_counter()
+            if i:
+                enc.append((t1 - t0) / m)
+                dec.append((t2 - t1) / m)
+        out["codec"][tname] = {"encode": slowest(enc), "decode": slowest(dec)}  # s per element
+
+    transport = HorovodTransport()
+    for kind, sizes in SIZES.items():
+        pts = []
+        for nbytes in sizes:
+            if kind == "allgather_u8":
+                buf = torch.zeros(nbytes, dtype=torch.uint8)
+                call = lambda i, buf=buf: hvd.allgather(buf, name=f"cal.ag.{i}")  # noqa: E731
+            elif kind == "allreduce_int8":
+                buf = torch.zeros(nbytes, dtype=torch.int8)
+                call = lambda i, buf=buf: transport.int8_sum_(buf)  # noqa: E731
+            else:
+                dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
+                buf = torch.zeros(nbytes // (4 if dt == torch.float32 else 2), dtype=dt)
+                call = lambda i, buf=buf: hvd.allreduce_(buf, name=f"cal.ar.{i}", op=hvd.Average)  # noqa: E731
+            ts = []
+            for i in range(args.comm_reps + 1):
+                hvd.barrier()  # then time the call alone
+                t0 = time.perf_counter()
+                call(i)
+                if i:
+                    ts.append(time.perf_counter() - t0)
+            pts.append((nbytes, slowest(ts)))
+        out["collectives"][kind] = {"points": pts,
+                                    **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def calibrate(cluster, workloads: str = DEFAULT_WORKLOADS, timeout: float = 900, quick: bool = False) -> dict:
+    """Run the probe job on an EmulatedCluster and return its measurements."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = Path(f.name)
+    reps = ["--compute-reps", "3", "--comm-reps", "2", "--codec-reps", "3"] if quick else []
+    try:
+        res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--rank-probe", "--json", str(path),
+                           "--workloads", workloads, *reps], timeout=timeout)
+        if res.returncode != 0 or not path.read_text().strip():
+            raise RuntimeError(f"calibration on {cluster.describe()} failed (exit {res.returncode}):\n"
+                               f"{res.stdout[-3000:]}")
+        out = json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+    out["profile"] = cluster.profile.name
+    return out
+
+
+def summary(cal: dict) -> str:
+    parts = [f"{k.split('_', 1)[1]} {v['latency_s'] * 1e3:.2f} ms + {v['bandwidth_Bps'] / 1e6:.0f} MB/s"
+             for k, v in cal["collectives"].items()]
+    comp = ", ".join(f"{k} {v['step'] * 1e3:.0f} ms" for k, v in cal["compute"].items())
+    return f"{cal['profile']} N={cal['nodes']}: " + "; ".join(parts) + f" | compute {comp}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="2,4,8")
+    ap.add_argument("--profiles", default="ethernet-1g,fast")
+    ap.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="model:batch pairs")
+    ap.add_argument("--out", default="results/calibration.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--compute-reps", type=int, default=8)
+    ap.add_argument("--codec-reps", type=int, default=10)
+    ap.add_argument("--comm-reps", type=int, default=4)
+    args = ap.parse_args(argv)
+    if args.rank_probe:
+        _rank_main(args)
+        return 0
+    from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster
+
+    results = []
+    try:
+        for prof in args.profiles.split(","):
+            for n in (int(v) for v in args.nodes.split(",")):
+                with EmulatedCluster(n, PROFILES[prof]) as c:
+                    results.append(calibrate(c, args.workloads, quick=args.quick))
+                print(summary(results[-1]), flush=True)
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"calibration": results}, indent=1))
+    except ClusterUnavailable as exc:
+        print(f"calibrate: cannot emulate a cluster here: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
