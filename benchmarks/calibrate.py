@@ -5,11 +5,12 @@
 
 On every (profile, N) cluster, one job of N ranks measures:
 - compute: forward + backward + SGD update of each model, all N ranks at once and no communication, each
-  step started by a barrier and timed as its slowest rank, as a synchronous step is. The N
+  step started by a barrier and timed as its slowest rank, as a synchronous step is; and when, within
+  backward, each parameter's gradient is ready (the moment a Horovod hook could send it). The N
   emulated nodes share this machine's cores, so this is the compute time a worker of that cluster sees;
   on a real cluster it equals the 1-worker time (benchmarks/perf_model.py measure).
-- codec: the engine's encode (stats, ternarize, pack) and decode of a 1M-element bucket for each transport,
-  all ranks at once.
+- codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
+  16M elements, for each transport, all ranks at once.
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
   fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, with nothing
   else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
@@ -38,6 +39,7 @@ SIZES = {
     "allgather_u8": [2**12, 2**16, 2**19, 2**21, 3 * 2**20],
     "allreduce_int8": [2**14, 2**18, 2**21, 2**23, 3 * 2**22],
 }
+CODEC_SIZES = [2**18, 2**20, 2**22, 2**24]  # elements per bucket
 DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
 
 
@@ -78,19 +80,26 @@ def _rank_main(args) -> None:
     torch.set_num_threads(1)
     n, rank = hvd.size(), hvd.rank()
 
-    def slowest(v: list[float]) -> float:
-        """Mean over steps of the slowest rank's time: a synchronous step waits for it."""
+    def slowest(v: list) -> float | list[float]:
+        """Median over steps of the slowest rank's time (a synchronous step waits for it); v holds one value
+        or one list of values per step."""
         allv = hvd.allgather(torch.tensor([v], dtype=torch.float64), name="cal.slowest")
-        return allv.max(dim=0).values.mean().item()
+        med = allv.max(dim=0).values.median(dim=0).values
+        return med.tolist() if med.dim() else med.item()
 
     out = {"nodes": n, "compute": {}, "codec": {}, "collectives": {}}
     for spec in args.workloads.split(","):
         name, _, bs = spec.partition(":")
         torch.manual_seed(0)
         model = MODELS[name]()
+        params = list(model.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(int(bs), 3, 32, 32), torch.randint(0, 10, (int(bs),))
-        steps, backs = [], []
+        stamp = {}
+        for pname, prm in params:  # when backward hands each gradient over (what a Horovod hook sees)
+            prm.register_post_accumulate_grad_hook(
+                lambda _p, pname=pname, stamp=stamp: stamp.__setitem__(pname, time.perf_counter()))
+        steps, fwds, backs, ready = [], [], [], []
         for i in range(args.compute_reps + 2):
             hvd.barrier()
             t0 = time.perf_counter()
@@ -102,35 +111,43 @@ def _rank_main(args) -> None:
             opt.step()
             if i >= 2:
                 steps.append(time.perf_counter() - t0)
+                fwds.append(t1 - t0)
                 backs.append(t2 - t1)
-        out["compute"][spec] = {"step": slowest(steps), "backward": slowest(backs)}
+                ready.append([stamp[pn] - t1 for pn, _ in params])
+        out["compute"][spec] = {"step": slowest(steps), "forward": slowest(fwds), "backward": slowest(backs),
+                                "ready": dict(zip((pn for pn, _ in params), slowest(ready)))}
 
-    # The engine's work for one default bucket (1M elements = 4 MB of fp32), per transport, all ranks at once.
-    m = 1 << 20
-    grad = torch.randn(m)
+    # The engine's work on one bucket of m elements, per transport, all ranks at once: its cost per element
+    # depends on m (caches, and the page faults of fresh allocations), so four sizes make a curve.
     cfg = TernGradConfig(num_threads=1)
     engines = [TernGradEngine(cfg, r, n) for r in range(n)]
-    gathered = torch.cat([e.encode([e.prepare("cal", grad)]) for e in engines])
     eng = engines[rank]
     for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8)):
-        enc, dec = [], []
-        for i in range(args.codec_reps + 1):
-            hvd.barrier()
-            t0 = time.perf_counter()
-            items = [eng.prepare("cal", grad)]
-            if dtype is None:
-                eng.encode(items)
-                t1 = time.perf_counter()
-                eng.decode(items, gathered)
-            else:
-                vals = eng.encode_values(items, dtype)
-                t1 = time.perf_counter()
-                eng.decode_sums(items, vals)
-            t2 = time.perf_counter()
-            if i:
-                enc.append((t1 - t0) / m)
-                dec.append((t2 - t1) / m)
-        out["codec"][tname] = {"encode": slowest(enc), "decode": slowest(dec)}  # s per element
+        pts = []
+        for m in CODEC_SIZES:
+            grad = torch.randn(m)
+            out_grad = torch.empty(m)
+            gathered = torch.cat([e.encode([e.prepare("cal", grad)]) for e in engines]) if dtype is None else None
+            enc, dec = [], []
+            for i in range(args.codec_reps + 1):
+                hvd.barrier()
+                t0 = time.perf_counter()
+                items = [eng.prepare("cal", grad)]
+                if dtype is None:
+                    eng.encode(items)
+                    t1 = time.perf_counter()
+                    eng.decode(items, gathered, outs=[out_grad])
+                else:
+                    vals = eng.encode_values(items, dtype)
+                    t1 = time.perf_counter()
+                    eng.decode_sums(items, vals, outs=[out_grad])
+                t2 = time.perf_counter()
+                if i:
+                    enc.append(t1 - t0)
+                    dec.append(t2 - t1)
+            pts.append((m, slowest(enc), slowest(dec)))
+            del gathered
+        out["codec"][tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
 
     transport = HorovodTransport()
     for kind, sizes in SIZES.items():

@@ -10,7 +10,8 @@ or custom: --rate 500mbit --delay-us 200.
 
 mpirun runs in the root namespace and starts one rank per node through an rsh agent that enters the
 node's namespace, with MPI's TCP traffic pinned to the cluster subnet and shared memory off (--mca btl
-tcp,self), so every byte between ranks crosses the shaped links. The emulator only creates and deletes
+tcp,self), so every byte between ranks crosses the shaped links. Node i runs on core i mod (cores), so
+the nodes share this machine's cores evenly (--no-pin lets them float). The emulator only creates and deletes
 its own namespaces, veths and bridge (named with a per-run tag), and it always cleans up: on exit, on
 error and on Ctrl-C/SIGTERM. It needs root and network-namespace support, and says so when they are missing.
 """
@@ -83,11 +84,15 @@ def netem_available() -> bool:
 class EmulatedCluster:
     """Context manager: `with EmulatedCluster(4, PROFILES["ethernet-1g"]) as c: c.run([...])`."""
 
-    def __init__(self, nodes: int, profile: Profile):
+    def __init__(self, nodes: int, profile: Profile, pin: bool = True):
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes must be in [1, 200], got {nodes}")
         self.nodes = nodes
         self.profile = profile
+        # Node i runs on core cpus[i % len(cpus)]. Unpinned, the scheduler moves N ranks and their Horovod
+        # threads across the shared cores unevenly: on 2 cores, AlexNet's compute at N = 4 took 100 to 200 ms
+        # from run to run (one worker: 47 ms); pinned, 103-106 ms, the even share a dedicated node would get.
+        self.cpus = sorted(os.sched_getaffinity(0)) if pin else None
         self.tag = f"{os.getpid() % 10000:04d}{random.randint(0, 99):02d}"
         self.bridge = f"tgb{self.tag}"
         self.subnet = self._free_subnet()
@@ -172,9 +177,11 @@ class EmulatedCluster:
                  "# its own hostname (a UTS namespace), so that Open MPI sees distinct nodes.",
                  "host=$1; shift",
                  'case "$host" in']
-        lines += [f"  {self.ip(i)}) ns={self.ns(i)}; name=node{i} ;;" for i in range(self.nodes)]
+        pin = (lambda i: f"taskset -c {self.cpus[i % len(self.cpus)]}") if self.cpus else (lambda i: "")
+        lines += [f"  {self.ip(i)}) ns={self.ns(i)}; name=node{i}; pin='{pin(i)}' ;;" for i in range(self.nodes)]
         lines += ['  *) echo "netns-agent: unknown host $host" >&2; exit 1 ;;', "esac",
-                  'exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name && $*"']
+                  "# $pin: the node's core, inherited by the daemon and the rank it starts",
+                  'exec ip netns exec "$ns" unshare --uts $pin /bin/sh -c "hostname $name && $*"']
         agent.write_text("\n".join(lines) + "\n")
         agent.chmod(0o755)
         self.agent = agent
@@ -209,7 +216,8 @@ class EmulatedCluster:
         shaping = self.profile.rate or "unshaped"
         delay = f", +{self.profile.delay_us} us RTT (netem)" if self.netem else (
             ", no added delay (sch_netem missing in this kernel)" if self.profile.delay_us else "")
-        return f"{self.nodes} nodes, {self.profile.name}: {shaping}{delay}, subnet {self.subnet}.0/24"
+        cores = (f", node i on core {self.cpus}[i % {len(self.cpus)}]" if self.cpus else ", unpinned")
+        return f"{self.nodes} nodes, {self.profile.name}: {shaping}{delay}, subnet {self.subnet}.0/24{cores}"
 
     def mpirun(self, argv: list[str], env: dict | None = None, np: int | None = None) -> list[str]:
         n = np or self.nodes
@@ -337,12 +345,13 @@ def main(argv=None):
         p.add_argument("--rate", help="custom tc rate, e.g. 500mbit")
         p.add_argument("--delay-us", type=int, default=0, help="custom round-trip delay (needs sch_netem)")
         p.add_argument("--timeout", type=float, default=600)
+        p.add_argument("--no-pin", action="store_true", help="let the ranks float over the cores")
         if name == "run":
             p.add_argument("argv", nargs=argparse.REMAINDER, help="-- command to run on every node")
     args = ap.parse_args(argv)
     profile = resolve_profile(args.profile, args.rate, args.delay_us)
     try:
-        with EmulatedCluster(args.nodes, profile) as c:
+        with EmulatedCluster(args.nodes, profile, pin=not args.no_pin) as c:
             print(f"cluster: {c.describe()}", flush=True)
             if args.cmd == "probe":
                 print(json.dumps(c.probe()))

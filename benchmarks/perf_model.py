@@ -138,8 +138,13 @@ def measure(models: list[str], batch: int, reps: int) -> dict:
 # segment's slope), which keeps the token-bucket burst of small messages and the TCP losses of large ones
 # that a single latency + bandwidth pair averages away.
 class Curve:
-    def __init__(self, points: list[tuple[float, float]]):
+    """Seconds against size, through measured points; below the smallest size the time stays flat (a call's
+    fixed cost), or with origin=True falls to 0 in proportion (work per element)."""
+
+    def __init__(self, points: list[tuple[float, float]], origin: bool = False):
         self.pts = sorted((float(b), float(t)) for b, t in points)
+        if origin:
+            self.pts.insert(0, (0.0, 0.0))
 
     def __call__(self, nbytes: float) -> float:
         pts = self.pts
@@ -158,74 +163,133 @@ class Host:
 
     nodes: int
     compute: dict  # "model:batch" -> {"step": s, "backward": s}
-    codec_s_per_elem: dict  # transport -> {"encode": s, "decode": s} per element, the decode of N ranks
+    codec: dict  # transport -> {"encode": Curve, "decode": Curve} of seconds against bucket elements
     curves: dict  # collective kind -> Curve of seconds against bytes per worker
 
     @classmethod
     def from_json(cls, cal: dict) -> Host:
-        return cls(cal["nodes"], cal["compute"], cal["codec"],
-                   {k: Curve(v["points"]) for k, v in cal["collectives"].items()})
+        codec = {t: {k: Curve(pts, origin=True) for k, pts in v.items()} for t, v in cal["codec"].items()}
+        return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in cal["collectives"].items()})
 
 
-def buckets_of(model: torch.nn.Module, bucket_bytes: int = 4 << 20) -> tuple[list[tuple[int, int]], int]:
-    """hvd_terngrad.DistributedOptimizer's buckets, as (coded elements, tensors), and the pass-through floats."""
-    cfg = TernGradConfig()
-    buckets, floats, cur, cur_t = [], 0, 0, 0
-    for name, p in reversed(list(model.named_parameters())):
-        if not cfg.compresses(name, p.numel()):
-            floats += p.numel()
-            continue
-        cur, cur_t = cur + p.numel(), cur_t + 1
-        if 4 * cur >= bucket_bytes:
-            buckets.append((cur, cur_t))
-            cur, cur_t = 0, 0
-    if cur:
-        buckets.append((cur, cur_t))
-    return buckets, floats
+FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold
 
 
-def host_comm_seconds(method: str, buckets: list[tuple[int, int]], floats: int, host: Host) -> float:
-    """Communication per step on a calibrated host: Horovod fuses FP32/fp16 gradients into one allreduce;
-    TernGrad sends per bucket a scaler Max allreduce (4 fp32 per tensor) and its codes, and the pass-through
-    floats in one fused fp32 allreduce."""
-    c = host.curves
-    total = sum(e for e, _ in buckets) + floats
-    if method == "fp32":
-        return c["allreduce_fp32"](4 * total)
-    if method == "fp16":
-        return c["allreduce_fp16"](2 * total)
-    t = c["allreduce_fp32"](4 * floats) if floats else 0.0
-    for elems, tensors in buckets:
-        t += c["allreduce_fp32"](16 * tensors)
-        if method == "terngrad":
-            t += c["allgather_u8"]((elems + 3) // 4 + 24 * tensors)
-        elif method == "terngrad:summed":
-            t += c["allreduce_fp16"](2 * elems)
-        elif method == "terngrad:summed-int8":
-            t += c["allreduce_int8"](elems)
-        else:
-            raise ValueError(f"unknown method {method!r}")
-    return t
-
-
-def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: bool = False) -> dict:
+def _params_of(model: str) -> list[tuple[str, int]]:
     from benchmarks.synthetic import MODELS
 
     torch.manual_seed(0)
-    buckets, floats = buckets_of(MODELS[model]())
+    return [(n, p.numel()) for n, p in MODELS[model]().named_parameters()]
+
+
+def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: bool = True,
+                      bucket_bytes: int = 4 << 20) -> dict:
+    """One training step on a calibrated host, as a timeline.
+
+    Backward hands gradients over at their measured ready times. One Horovod channel runs collectives one
+    at a time in submission order, fusing allreduces that are waiting together (up to 64 MB), so
+    communication overlaps the rest of backward. FP32/fp16: each gradient is submitted when ready.
+    TernGrad (hvd_terngrad.DistributedOptimizer): pass-through floats are allreduced when ready; a bucket,
+    once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread when
+    they return (delaying backward if it is still running), then sends its codes (allgather or fp16 sum);
+    after backward, synchronize() decodes the buckets in order (int8 sums are a blocking MPI call there).
+    overlap=False runs every collective after backward instead."""
     comp = host.compute[f"{model}:{batch}"]
-    comm = host_comm_seconds(method, buckets, floats, host)
-    coded = sum(e for e, _ in buckets)
-    cod = 0.0
-    if method.startswith("terngrad"):
-        k = host.codec_s_per_elem[method.partition(":")[2] or "allgather"]
-        cod = coded * (k["encode"] + k["decode"])
-    ov = min(comm, comp["backward"]) if overlap else 0.0
-    return {"compute": comp["step"], "codec": cod, "comm": comm, "overlap": ov,
-            "total": comp["step"] + cod + comm - ov}
+    fwd, bwd = comp["forward"], comp["backward"]
+    update = max(0.0, comp["step"] - fwd - bwd)
+    ready = comp.get("ready") or {}
+    params = _params_of(model)
+    t_ready = {n: fwd + (ready.get(n, bwd) if overlap else bwd) for n, _ in params}
+    curves = host.curves
+    transport = method.partition(":")[2] or "allgather"
+    codec = host.codec.get(transport) if method.startswith("terngrad") else None
+
+    queue: list[list] = []  # [submit time, seq, kind, bytes, done callback, fusable]
+    seq = [0]
+
+    def submit(t, kind, nbytes, done=None, fusable=False):
+        queue.append([t, seq[0], kind, nbytes, done, fusable])
+        seq[0] += 1
+
+    state = {"bwd_end": fwd + bwd, "main_free": 0.0, "comm": 0.0, "codec": 0.0}
+    done_at: dict = {}
+
+    if not method.startswith("terngrad"):
+        width = 4 if method == "fp32" else 2
+        kind = "allreduce_fp32" if method == "fp32" else "allreduce_fp16"
+        for n, numel in params:
+            submit(t_ready[n], kind, width * numel, fusable=True)
+        buckets = []
+    else:
+        cfg = TernGradConfig()
+        buckets, cur = [], []
+        for n, numel in reversed(params):
+            if not cfg.compresses(n, numel):
+                submit(t_ready[n], "allreduce_fp32", 4 * numel, fusable=True)
+                continue
+            cur.append((n, numel))
+            if 4 * sum(e for _, e in cur) >= bucket_bytes:
+                buckets.append(cur)
+                cur = []
+        if cur:
+            buckets.append(cur)
+
+        def after_scaler(b, elems):
+            def done(t):
+                t0 = max(t, state["main_free"])
+                enc = codec["encode"](elems)
+                state["codec"] += enc
+                if t0 < state["bwd_end"]:  # encoded from a backward hook: backward waits for it
+                    state["bwd_end"] += enc
+                state["main_free"] = t0 + enc
+                done_at[("encoded", b)] = t0 + enc
+                if transport == "allgather":
+                    tensors = len(buckets[b])
+                    submit(t0 + enc, "allgather_u8", (elems + 3) // 4 + 24 * tensors,
+                           lambda t2: done_at.__setitem__(("sent", b), t2))
+                elif transport == "summed":
+                    submit(t0 + enc, "allreduce_fp16", 2 * elems, lambda t2: done_at.__setitem__(("sent", b), t2))
+            return done
+
+        for b, members in enumerate(buckets):
+            elems = sum(e for _, e in members)
+            submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b, elems))
+
+    chan = 0.0
+    last_end = 0.0
+    while queue:
+        queue.sort(key=lambda q: (q[0], q[1]))
+        t, _, kind, nbytes, done, fusable = queue.pop(0)
+        start = max(chan, t)
+        if fusable:  # Horovod fuses allreduces that are waiting when the channel frees up
+            while queue and queue[0][5] and queue[0][2] == kind and queue[0][0] <= start and \
+                    nbytes + queue[0][3] <= FUSION_BYTES:
+                nbytes += queue.pop(0)[3]
+        cost = curves[kind](nbytes)
+        state["comm"] += cost
+        chan = start + cost
+        last_end = max(last_end, chan)
+        if done is not None:
+            done(chan)
+    t = max(state["bwd_end"], state["main_free"])
+    for b, members in enumerate(buckets):  # synchronize(): decode in bucket order
+        elems = sum(e for _, e in members)
+        if transport == "summed-int8":
+            cost = curves["allreduce_int8"](elems)
+            state["comm"] += cost
+            t = max(t, done_at[("encoded", b)]) + cost
+        else:
+            t = max(t, done_at[("sent", b)])
+        dec = codec["decode"](elems)
+        state["codec"] += dec
+        t += dec
+    t = max(t, last_end) + update
+    busy = comp["step"] + state["codec"] + state["comm"]
+    return {"compute": comp["step"], "codec": state["codec"], "comm": state["comm"], "overlap": busy - t,
+            "total": t}
 
 
-def validate_host(sweep: dict, hosts: dict, overlap: bool = False) -> list[dict]:
+def validate_host(sweep: dict, hosts: dict, overlap: bool = True) -> list[dict]:
     out = []
     for r in sweep["rows"]:
         host = hosts.get((r["profile"], r["nodes"]))
@@ -234,9 +298,10 @@ def validate_host(sweep: dict, hosts: dict, overlap: bool = False) -> list[dict]
         method = r.get("method") or r["compression"]
         method = "terngrad" if method == "terngrad:allgather" else method
         p = host_step_seconds(method, r["model"], r["batch_size"], host, overlap)
+        meas = r.get("step_seconds_median", r["step_seconds"])  # the calibration reports medians too
         out.append({"model": r["model"], "profile": r["profile"], "nodes": r["nodes"], "method": method,
-                    "predicted_ms": p["total"] * 1e3, "measured_ms": r["step_seconds"] * 1e3,
-                    "error": r["step_seconds"] / p["total"] - 1,
+                    "predicted_ms": p["total"] * 1e3, "measured_ms": meas * 1e3,
+                    "error": meas / p["total"] - 1,
                     "parts_ms": {k: v * 1e3 for k, v in p.items() if k != "total"}})
     return out
 
@@ -377,7 +442,7 @@ def main(argv=None):
                         "default: the 'calibration' entries of the sweep files")
     p.add_argument("--link-only", action="store_true",
                    help="the link-probe model: 1-worker compute scaled by N/cores, probed link bandwidth")
-    p.add_argument("--overlap", action="store_true", help="let communication hide behind backward")
+    p.add_argument("--no-overlap", action="store_true", help="start every collective after backward")
     p.add_argument("--markdown", help="also write the table here")
     p = sub.add_parser("extrapolate")
     p.add_argument("--out", default="results")
@@ -405,7 +470,7 @@ def main(argv=None):
                 return 2
             hosts = {(c["profile"], c["nodes"]): Host.from_json(c) for c in cals}
             for sw in sweeps:
-                rows += validate_host(sw, hosts, args.overlap)
+                rows += validate_host(sw, hosts, not args.no_overlap)
         text = validation_table(rows)
         print(text)
         if args.markdown:

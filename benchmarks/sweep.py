@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.calibrate import calibrate, summary  # noqa: E402
 from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster  # noqa: E402
 
 COMPRESSIONS = ("fp32", "fp16", "terngrad")
@@ -135,12 +136,15 @@ def main(argv=None):
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--per-iter", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--per-iter", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"))
     ap.add_argument("--quick", action="store_true", help="1 warm-up batch, 2 iterations of 2 batches")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="on every cluster, first measure the performance model's inputs (benchmarks/calibrate.py) "
+                         "into sweep.json, for benchmarks/perf_model.py validate")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.per_iter, args.iters = 1, 2, 2
@@ -153,7 +157,7 @@ def main(argv=None):
     total = len(models) * len(comps) * len(profiles) * len(nodes)
     from tqdm import tqdm
 
-    rows, probes = [], {}
+    rows, probes, cals = [], {}, []
     bar = tqdm(total=total, desc="sweep", ascii=True, file=sys.stdout)
     try:
         for prof in profiles:
@@ -162,6 +166,9 @@ def main(argv=None):
                     if prof not in probes:
                         probes[prof] = c.probe() if n >= 2 else {}
                         bar.write(f"{prof}: {json.dumps(probes[prof])}")
+                    if args.calibrate and n >= 2:
+                        cals.append(calibrate(c, ",".join(f"{m}:{args.batch_size}" for m in models)))
+                        bar.write(summary(cals[-1]))
                     for m in models:
                         for comp in comps:
                             row = run_one(c, m, comp, args)
@@ -169,7 +176,8 @@ def main(argv=None):
                             bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: {row['img_sec_total']:8.1f} img/s "
                                       f"(+-{row['img_sec_conf'] * n:.1f}), wire {row['wire_tx_per_step']:,.0f} B/step")
                             bar.update(1)
-                            (out / "sweep.json").write_text(json.dumps({"probes": probes, "rows": rows}, indent=1))
+                            (out / "sweep.json").write_text(json.dumps(
+                                {"probes": probes, "rows": rows, **({"calibration": cals} if cals else {})}, indent=1))
     except ClusterUnavailable as exc:
         print(f"sweep: cannot emulate a cluster here: {exc}", file=sys.stderr)
         return 2

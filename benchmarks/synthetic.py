@@ -195,6 +195,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
            "transport": transport if compression == "terngrad" else None,
            "batch_size": batch_size, "img_sec_per_worker": mean, "img_sec_conf": conf,
            "img_sec_total": mean * hvd.size(), "step_seconds": batch_size / mean,
+           "step_seconds_median": statistics.median(batch_size / v for v in img_secs),
            "params": sum(p.numel() for p in model.parameters()),
            "bytes_per_step": bytes_per_step(model, compression, tg),
            "wire_tx_per_step": (tx1 - tx0) / (iters * per_iter), "wire_rx_per_step": (rx1 - rx0) / (iters * per_iter)}

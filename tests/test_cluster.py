@@ -90,3 +90,35 @@ def test_refuses_clearly_without_root():
                          timeout=60)
     assert res.returncode == 2
     assert "needs root" in res.stderr
+
+
+def test_calibration_probe_measures_every_input_of_the_model():
+    from benchmarks.calibrate import SIZES, calibrate
+    from benchmarks.perf_model import Host, host_step_seconds
+
+    with EmulatedCluster(2, PROFILES["fast"]) as c:
+        cal = calibrate(c, "tiny:8", timeout=300, quick=True)
+    assert cal["nodes"] == 2 and cal["profile"] == "fast"
+    comp = cal["compute"]["tiny:8"]
+    assert 0 < comp["forward"] < comp["step"] and 0 < comp["backward"] < comp["step"]
+    assert set(comp["ready"]) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+    assert comp["ready"]["net.3.weight"] <= comp["ready"]["net.1.weight"]  # backward order
+    assert set(cal["collectives"]) == set(SIZES)
+    for kind, v in cal["collectives"].items():
+        assert [b for b, _ in v["points"]] == SIZES[kind] and all(t > 0 for _, t in v["points"])
+        assert v["bandwidth_Bps"] > 0 and v["latency_s"] >= 0
+    assert set(cal["codec"]) == {"allgather", "summed", "summed-int8"}
+    host = Host.from_json(cal)
+    for method in ("fp32", "fp16", "terngrad", "terngrad:summed", "terngrad:summed-int8"):
+        st = host_step_seconds(method, "tiny", 8, host)
+        assert st["total"] >= st["compute"] > 0
+
+
+def test_nodes_are_pinned_to_cores_round_robin():
+    cpus = sorted(os.sched_getaffinity(0))
+    with EmulatedCluster(3, PROFILES["fast"]) as c:
+        res = c.run(["/bin/sh", "-c", 'echo "rank $OMPI_COMM_WORLD_RANK cpus $(taskset -pc $$ | cut -d: -f2)"'],
+                    timeout=60)
+    assert res.returncode == 0, res.stdout
+    got = dict(line.split(" cpus ") for line in res.stdout.splitlines() if line.startswith("rank "))
+    assert {int(k.split()[1]): v.strip() for k, v in got.items()} == {i: str(cpus[i % len(cpus)]) for i in range(3)}

@@ -45,3 +45,70 @@ def test_paper_inputs_are_named_and_positive():
     assert set(PAPER_MODELS) == {"AlexNet", "GoogLeNet", "VGG-A"}
     assert all(m["params"] > 1e6 and m["img_s"] > 0 for m in PAPER_MODELS.values())
     assert all(c["gpus_per_node"] * 128 == 512 for c in CLUSTERS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The calibrated model of the emulated cluster (benchmarks/calibrate.py + perf_model.host_step_seconds).
+from benchmarks.calibrate import bandwidth_bytes, fit  # noqa: E402
+from benchmarks.perf_model import Curve, Host, host_step_seconds  # noqa: E402
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    pts = [(x, 1e-3 + x / 1e8) for x in (1e4, 1e5, 1e6, 1e7)]
+    f = fit(pts)
+    assert f["latency_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert f["bandwidth_Bps"] == pytest.approx(1e8, rel=1e-6)
+    assert f["worst_fit_error"] < 1e-9
+    assert bandwidth_bytes("allgather_u8", 100, 4) == 300
+    assert bandwidth_bytes("allreduce_fp32", 100, 4) == pytest.approx(150)
+
+
+def test_curve_interpolates_and_extends():
+    c = Curve([(100, 1.0), (200, 3.0)])
+    assert c(150) == pytest.approx(2.0)
+    assert c(50) == pytest.approx(1.0)  # a call's fixed cost below the smallest size
+    assert c(300) == pytest.approx(5.0)  # the last segment's slope beyond the largest
+    assert Curve([(100, 1.0), (200, 3.0)], origin=True)(50) == pytest.approx(0.5)
+
+
+def _host(bandwidth=100e6, latency=1e-3, ready=None):
+    """A host whose collectives cost latency + bytes / bandwidth and whose codec costs 1 ns per element."""
+    pts = [(b, latency + b / bandwidth) for b in (1e3, 1e6, 1e8)]
+    curves = {k: Curve(pts) for k in ("allreduce_fp32", "allreduce_fp16", "allgather_u8", "allreduce_int8")}
+    per = [(e, e * 1e-9) for e in (1e5, 1e7)]
+    codec = {t: {"encode": Curve(per, origin=True), "decode": Curve(per, origin=True)}
+             for t in ("allgather", "summed", "summed-int8")}
+    compute = {"mlp:32": {"step": 0.10, "forward": 0.03, "backward": 0.06, "ready": ready or {}}}
+    return Host(4, compute, codec, curves)
+
+
+def test_without_overlap_the_step_is_compute_plus_comm():
+    st = host_step_seconds("fp32", "mlp", 32, _host(), overlap=False)
+    assert st["total"] == pytest.approx(st["compute"] + st["comm"], rel=1e-9)
+    assert st["overlap"] == pytest.approx(0.0, abs=1e-12)
+    # one fused allreduce: 10.5 M fp32 parameters
+    assert st["comm"] == pytest.approx(1e-3 + 4 * 10_510_346 / 100e6, rel=1e-3)
+
+
+def test_overlap_hides_communication_behind_backward_only():
+    # every gradient ready at the start of backward: communication overlaps all of backward
+    from benchmarks.perf_model import _params_of
+
+    early = {n: 0.0 for n, _ in _params_of("mlp")}
+    host = _host(bandwidth=1e9, ready=early)
+    st = host_step_seconds("fp32", "mlp", 32, host)
+    flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)
+    assert st["total"] < flat["total"]
+    assert st["total"] >= max(st["compute"], st["comm"]) - 1e-12
+    assert st["overlap"] <= 0.06 + 1e-12  # never more than backward
+
+
+def test_terngrad_step_pays_codec_and_far_fewer_bytes():
+    host = _host()
+    f32 = host_step_seconds("fp32", "mlp", 32, host, overlap=False)
+    tg = host_step_seconds("terngrad", "mlp", 32, host, overlap=False)
+    assert tg["codec"] == pytest.approx(2 * 10_510_336 * 1e-9, rel=1e-6)  # encode + decode of every coded element
+    assert tg["comm"] < f32["comm"] / 10
+    for transport in ("summed", "summed-int8"):
+        st = host_step_seconds(f"terngrad:{transport}", "mlp", 32, host, overlap=False)
+        assert st["comm"] > tg["comm"] and st["total"] > tg["total"]
