@@ -15,7 +15,9 @@ On every (profile, N) cluster, one job of N ranks measures:
   fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, with nothing
   else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
   (allreduce 2 (N-1)/N * bytes, allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a
-  is the per-call latency and B the effective bandwidth the link, MPI and the host's TCP stack together give.
+  is the per-call latency and B the effective bandwidth the link, MPI and the host's TCP stack together give;
+  and how much a call slows compute running beside it on the worker's core (the main thread's rate of
+  matrix products during the largest call, against alone).
 
 None of the sweep's models or payload sizes is an input of the fit, so validating the model against the
 sweep (benchmarks/perf_model.py validate) tests it on data it was not fitted to.
@@ -66,12 +68,59 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- rank side
-def _rank_main(args) -> None:
+def slowest(v: list, mean: bool = False) -> float | list[float]:
+    """Median (or mean) over steps of the slowest rank's time (a synchronous step waits for it); v holds one
+    value or one list of values per step. Collective: every rank calls it."""
+    import horovod.torch as hvd
+    import torch
+
+    allv = hvd.allgather(torch.tensor([v], dtype=torch.float64), name="cal.slowest").max(dim=0).values
+    res = allv.mean(dim=0) if mean else allv.median(dim=0).values
+    return res.tolist() if res.dim() else res.item()
+
+
+def measure_compute(name: str, batch: int, reps: int) -> dict:
+    """Forward, backward and SGD update of a fresh `name` model on every rank at once, no communication:
+    each step starts at a barrier and counts as its slowest rank. Also when, after backward starts, each
+    parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank calls it."""
     import horovod.torch as hvd
     import torch
     import torch.nn.functional as F
 
     from benchmarks.synthetic import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    params = list(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    stamp = {}
+    for pname, prm in params:
+        prm.register_post_accumulate_grad_hook(
+            lambda _p, pname=pname, stamp=stamp: stamp.__setitem__(pname, time.perf_counter()))
+    steps, fwds, backs, ready = [], [], [], []
+    for i in range(reps + 2):
+        hvd.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if i >= 2:
+            steps.append(time.perf_counter() - t0)
+            fwds.append(t1 - t0)
+            backs.append(t2 - t1)
+            ready.append([stamp[pn] - t1 for pn, _ in params])
+    return {"step": slowest(steps), "forward": slowest(fwds), "backward": slowest(backs),
+            "ready": dict(zip((pn for pn, _ in params), slowest(ready)))}
+
+
+def _rank_main(args) -> None:
+    import horovod.torch as hvd
+    import torch
+
     from hvd_terngrad import TernGradConfig
     from hvd_terngrad.engine import TernGradEngine
     from hvd_terngrad.transport import HorovodTransport
@@ -80,42 +129,10 @@ def _rank_main(args) -> None:
     torch.set_num_threads(1)
     n, rank = hvd.size(), hvd.rank()
 
-    def slowest(v: list) -> float | list[float]:
-        """Median over steps of the slowest rank's time (a synchronous step waits for it); v holds one value
-        or one list of values per step."""
-        allv = hvd.allgather(torch.tensor([v], dtype=torch.float64), name="cal.slowest")
-        med = allv.max(dim=0).values.median(dim=0).values
-        return med.tolist() if med.dim() else med.item()
-
     out = {"nodes": n, "compute": {}, "codec": {}, "collectives": {}}
     for spec in args.workloads.split(","):
         name, _, bs = spec.partition(":")
-        torch.manual_seed(0)
-        model = MODELS[name]()
-        params = list(model.named_parameters())
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(int(bs), 3, 32, 32), torch.randint(0, 10, (int(bs),))
-        stamp = {}
-        for pname, prm in params:  # when backward hands each gradient over (what a Horovod hook sees)
-            prm.register_post_accumulate_grad_hook(
-                lambda _p, pname=pname, stamp=stamp: stamp.__setitem__(pname, time.perf_counter()))
-        steps, fwds, backs, ready = [], [], [], []
-        for i in range(args.compute_reps + 2):
-            hvd.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            if i >= 2:
-                steps.append(time.perf_counter() - t0)
-                fwds.append(t1 - t0)
-                backs.append(t2 - t1)
-                ready.append([stamp[pn] - t1 for pn, _ in params])
-        out["compute"][spec] = {"step": slowest(steps), "forward": slowest(fwds), "backward": slowest(backs),
-                                "ready": dict(zip((pn for pn, _ in params), slowest(ready)))}
+        out["compute"][spec] = measure_compute(name, int(bs), args.compute_reps)
 
     # The engine's work on one bucket of m elements, per transport, all ranks at once: its cost per element
     # depends on m (caches, and the page faults of fresh allocations), so four sizes make a curve.
@@ -150,28 +167,54 @@ def _rank_main(args) -> None:
         out["codec"][tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
 
     transport = HorovodTransport()
+    a = torch.randn(192, 192)
+
+    def work_rate(until) -> float:
+        """Matrix products per second on the main thread until until() is true."""
+        t0, k = time.perf_counter(), 0
+        while not until():
+            torch.mm(a, a)
+            k += 1
+        return k / (time.perf_counter() - t0)
+
     for kind, sizes in SIZES.items():
         pts = []
         for nbytes in sizes:
             if kind == "allgather_u8":
                 buf = torch.zeros(nbytes, dtype=torch.uint8)
-                call = lambda i, buf=buf: hvd.allgather(buf, name=f"cal.ag.{i}")  # noqa: E731
+                start = lambda i, buf=buf: hvd.allgather_async(buf, name=f"cal.ag.{i}")  # noqa: E731
             elif kind == "allreduce_int8":
                 buf = torch.zeros(nbytes, dtype=torch.int8)
-                call = lambda i, buf=buf: transport.int8_sum_(buf)  # noqa: E731
+                start = lambda i, buf=buf: transport.int8_sum_(buf)  # noqa: E731  (blocking)
             else:
                 dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
                 buf = torch.zeros(nbytes // (4 if dt == torch.float32 else 2), dtype=dt)
-                call = lambda i, buf=buf: hvd.allreduce_(buf, name=f"cal.ar.{i}", op=hvd.Average)  # noqa: E731
+                start = lambda i, buf=buf: hvd.allreduce_async_(buf, name=f"cal.ar.{i}", op=hvd.Average)  # noqa: E731
             ts = []
             for i in range(args.comm_reps + 1):
                 hvd.barrier()  # then time the call alone
                 t0 = time.perf_counter()
-                call(i)
+                h = start(i)
+                if kind != "allreduce_int8":
+                    hvd.synchronize(h)
                 if i:
                     ts.append(time.perf_counter() - t0)
-            pts.append((nbytes, slowest(ts)))
-        out["collectives"][kind] = {"points": pts,
+            # the mean: a shaped link's tail drops stall TCP for a retransmission timeout now and then
+            # (30 MB over ethernet-1g took 255 ms, or 400 with a stall), and a training step pays for them
+            pts.append((nbytes, slowest(ts, mean=True)))
+        # How much the call slows compute beside it on this worker's core (MPI's and Horovod's threads, the
+        # TCP copies): the main thread's rate of matrix products while the largest call runs, against alone.
+        slow = 1.0  # the int8 sum is a blocking call in the main thread: nothing runs beside it
+        if kind != "allreduce_int8":
+            hvd.barrier()
+            t_end = time.perf_counter() + 0.3
+            alone = work_rate(lambda t_end=t_end: time.perf_counter() > t_end)
+            hvd.barrier()
+            h = start(-1)
+            beside = work_rate(lambda h=h: hvd.poll(h))
+            hvd.synchronize(h)
+            slow = slowest([max(0.0, min(1.0, 1.0 - beside / alone))], mean=True)
+        out["collectives"][kind] = {"points": pts, "cpu_fraction": slow,
                                     **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
     if rank == 0:
         Path(args.json).write_text(json.dumps(out))
@@ -214,7 +257,7 @@ def main(argv=None):
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--compute-reps", type=int, default=8)
     ap.add_argument("--codec-reps", type=int, default=10)
-    ap.add_argument("--comm-reps", type=int, default=4)
+    ap.add_argument("--comm-reps", type=int, default=6)
     args = ap.parse_args(argv)
     if args.rank_probe:
         _rank_main(args)

@@ -165,11 +165,14 @@ class Host:
     compute: dict  # "model:batch" -> {"step": s, "backward": s}
     codec: dict  # transport -> {"encode": Curve, "decode": Curve} of seconds against bucket elements
     curves: dict  # collective kind -> Curve of seconds against bytes per worker
+    cpu_fraction: dict | None = None  # collective kind -> how much the call slows compute beside it (0..1)
 
     @classmethod
     def from_json(cls, cal: dict) -> Host:
         codec = {t: {k: Curve(pts, origin=True) for k, pts in v.items()} for t, v in cal["codec"].items()}
-        return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in cal["collectives"].items()})
+        colls = cal["collectives"]
+        return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in colls.items()},
+                   {k: v.get("cpu_fraction", 0.0) for k, v in colls.items()})
 
 
 FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold
@@ -183,18 +186,19 @@ def _params_of(model: str) -> list[tuple[str, int]]:
 
 
 def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: bool = True,
-                      bucket_bytes: int = 4 << 20) -> dict:
+                      bucket_bytes: int = 4 << 20, compute: dict | None = None) -> dict:
     """One training step on a calibrated host, as a timeline.
 
     Backward hands gradients over at their measured ready times. One Horovod channel runs collectives one
     at a time in submission order, fusing allreduces that are waiting together (up to 64 MB), so
-    communication overlaps the rest of backward. FP32/fp16: each gradient is submitted when ready.
+    communication overlaps the rest of backward, slowing it by the measured share a collective takes from
+    compute beside it. FP32/fp16: each gradient is submitted when ready.
     TernGrad (hvd_terngrad.DistributedOptimizer): pass-through floats are allreduced when ready; a bucket,
     once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread when
     they return (delaying backward if it is still running), then sends its codes (allgather or fp16 sum);
     after backward, synchronize() decodes the buckets in order (int8 sums are a blocking MPI call there).
     overlap=False runs every collective after backward instead."""
-    comp = host.compute[f"{model}:{batch}"]
+    comp = compute or host.compute[f"{model}:{batch}"]
     fwd, bwd = comp["forward"], comp["backward"]
     update = max(0.0, comp["step"] - fwd - bwd)
     ready = comp.get("ready") or {}
@@ -268,6 +272,8 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         cost = curves[kind](nbytes)
         state["comm"] += cost
         chan = start + cost
+        if start < state["bwd_end"]:  # the call's CPU work on this worker's core delays the overlapped backward
+            state["bwd_end"] += (host.cpu_fraction or {}).get(kind, 0.0) * (min(chan, state["bwd_end"]) - start)
         last_end = max(last_end, chan)
         if done is not None:
             done(chan)
@@ -293,12 +299,13 @@ def validate_host(sweep: dict, hosts: dict, overlap: bool = True) -> list[dict]:
     out = []
     for r in sweep["rows"]:
         host = hosts.get((r["profile"], r["nodes"]))
-        if host is None or f"{r['model']}:{r['batch_size']}" not in host.compute:
+        probe = r.get("compute_probe")  # measured by the same job just before its timed steps
+        if host is None or (probe is None and f"{r['model']}:{r['batch_size']}" not in host.compute):
             continue
         method = r.get("method") or r["compression"]
         method = "terngrad" if method == "terngrad:allgather" else method
-        p = host_step_seconds(method, r["model"], r["batch_size"], host, overlap)
-        meas = r.get("step_seconds_median", r["step_seconds"])  # the calibration reports medians too
+        p = host_step_seconds(method, r["model"], r["batch_size"], host, overlap, compute=probe)
+        meas = r["step_seconds"]
         out.append({"model": r["model"], "profile": r["profile"], "nodes": r["nodes"], "method": method,
                     "predicted_ms": p["total"] * 1e3, "measured_ms": meas * 1e3,
                     "error": meas / p["total"] - 1,

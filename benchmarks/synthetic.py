@@ -220,14 +220,24 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")
+    ap.add_argument("--compute-probe", type=int, default=0, metavar="K",
+                    help="first time K steps of the same model without communication (all workers at once), "
+                         "for benchmarks/perf_model.py validate")
     args = ap.parse_args(argv)
     hvd.init()
     torch.set_num_threads(args.threads)
     if hvd.rank() == 0:
         print(f"Model: {args.model}, batch size: {args.batch_size}, compression: {args.compression}, "
               f"workers: {hvd.size()}")
+    probe = None
+    if args.compute_probe:
+        from benchmarks.calibrate import measure_compute
+
+        probe = measure_compute(args.model, args.batch_size, args.compute_probe)
     r = benchmark(args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter, args.num_iters,
                   args.compression, args.optimizer, iface=args.iface, transport=args.transport)
+    if probe is not None:
+        r["compute_probe"] = probe
     if hvd.rank() == 0:
         print(f"Img/sec per worker: {r['img_sec_per_worker']:.1f} +-{r['img_sec_conf']:.1f}")
         conf_total = r["img_sec_conf"] * hvd.size()

@@ -112,3 +112,16 @@ def test_terngrad_step_pays_codec_and_far_fewer_bytes():
     for transport in ("summed", "summed-int8"):
         st = host_step_seconds(f"terngrad:{transport}", "mlp", 32, host, overlap=False)
         assert st["comm"] > tg["comm"] and st["total"] > tg["total"]
+
+
+def test_cpu_bound_communication_does_not_hide_behind_backward():
+    from dataclasses import replace
+
+    from benchmarks.perf_model import _params_of
+
+    early = {n: 0.0 for n, _ in _params_of("mlp")}
+    host = _host(bandwidth=1e9, ready=early)
+    busy = replace(host, cpu_fraction={k: 1.0 for k in host.curves})
+    flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
+    assert host_step_seconds("fp32", "mlp", 32, host)["total"] < flat - 0.02
+    assert host_step_seconds("fp32", "mlp", 32, busy)["total"] == pytest.approx(flat, rel=1e-6)
