@@ -16,8 +16,8 @@ On every (profile, N) cluster, one job of N ranks measures:
   else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
   (allreduce 2 (N-1)/N * bytes, allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a
   is the per-call latency and B the effective bandwidth the link, MPI and the host's TCP stack together give;
-  and how much a call slows compute running beside it on the worker's core (the main thread's rate of
-  matrix products during the largest call, against alone).
+  and, for the largest call, how much it slows compute running beside it on the worker's core (the main
+  thread's rate of matrix products, against alone) and how much that compute slows it.
 
 None of the sweep's models or payload sizes is an input of the fit, so validating the model against the
 sweep (benchmarks/perf_model.py validate) tests it on data it was not fitted to.
@@ -204,17 +204,24 @@ def _rank_main(args) -> None:
             pts.append((nbytes, slowest(ts, mean=True)))
         # How much the call slows compute beside it on this worker's core (MPI's and Horovod's threads, the
         # TCP copies): the main thread's rate of matrix products while the largest call runs, against alone.
-        slow = 1.0  # the int8 sum is a blocking call in the main thread: nothing runs beside it
+        # And how much compute beside it slows the call: MPI over TCP progresses only when Horovod's thread
+        # gets the core, which it yields to a computing main thread.
+        slow, stretch = 1.0, 1.0  # the int8 sum is a blocking call in the main thread: nothing runs beside it
         if kind != "allreduce_int8":
             hvd.barrier()
             t_end = time.perf_counter() + 0.3
             alone = work_rate(lambda t_end=t_end: time.perf_counter() > t_end)
-            hvd.barrier()
-            h = start(-1)
-            beside = work_rate(lambda h=h: hvd.poll(h))
-            hvd.synchronize(h)
-            slow = slowest([max(0.0, min(1.0, 1.0 - beside / alone))], mean=True)
-        out["collectives"][kind] = {"points": pts, "cpu_fraction": slow,
+            durs, rates = [], []
+            for i in range(2):
+                hvd.barrier()
+                t0 = time.perf_counter()
+                h = start(-1 - i)
+                rates.append(work_rate(lambda h=h: hvd.poll(h)))
+                durs.append(time.perf_counter() - t0)
+                hvd.synchronize(h)
+            slow = slowest([max(0.0, min(1.0, 1.0 - sum(rates) / 2 / alone))], mean=True)
+            stretch = max(1.0, slowest(durs, mean=True) / pts[-1][1])
+        out["collectives"][kind] = {"points": pts, "cpu_fraction": slow, "stretch_beside_compute": stretch,
                                     **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
     if rank == 0:
         Path(args.json).write_text(json.dumps(out))

@@ -1,17 +1,26 @@
 """Performance model: step time = compute + codec + communication - overlap, from measured parts.
 
-    python benchmarks/perf_model.py measure                 # compute time per model, one worker -> results/compute.json
-    python benchmarks/perf_model.py validate results/sweep.json
+    python benchmarks/sweep.py --calibrate                  # sweep, with this model's inputs measured per cluster
+    python benchmarks/perf_model.py validate results/sweep.json results/transports/sweep.json
     python benchmarks/perf_model.py extrapolate             # 1..512 GPUs, the paper's two clusters -> results/
+    python benchmarks/perf_model.py measure                 # compute per model, one worker -> results/compute.json
 
-Inputs (measured, not guessed):
-- compute: forward + backward + update per model, one worker, one thread (`measure`); on the emulated
-  cluster N workers share C cores, so compute scales by max(1, N / C);
-- codec: GB/s of stats, ternarize+pack and decode (docs/codec-bench.json, benchmarks/codec_bench.py);
-- link: bandwidth and RTT probed by benchmarks/cluster.py (in sweep.json).
-Communication follows hvd_terngrad/perfmodel.py (ring allreduce, allgather, summed sums, scaler allreduce).
-Overlap: Horovod starts allreduces during backward, so FP32/fp16 communication hides behind backward up to
-the backward time; TernGrad's allgather overlaps likewise in hvd_terngrad.DistributedOptimizer.
+Two uses, one decomposition:
+
+- The emulated cluster (validate). Its N nodes share this machine's cores and TCP stack, so the inputs
+  are measured on it, without training (benchmarks/calibrate.py): compute of N workers at once and when
+  each gradient is ready within backward; the engine's encode/decode per transport; and each collective's
+  time against payload size, plus how much it slows compute beside it. host_step_seconds() replays a step
+  as a timeline: gradients become ready, one Horovod channel runs the collectives in order (fusing
+  allreduces that wait together), TernGrad buckets share scalers, encode and send their codes, and
+  synchronize() decodes. The overlap is what the timeline hides behind backward.
+- Real clusters (extrapolate): compute from published per-GPU throughput, the codec at the GPU goal's
+  bandwidth, and hvd_terngrad/perfmodel.py's link formulas (ring allreduce, allgather, summed sums, the
+  scaler allreduce; hierarchical with several GPUs per node). Overlap: communication hides behind backward
+  up to the backward time.
+
+`validate --link-only` applies the real-cluster formulas to the emulated cluster instead (1-worker compute
+scaled by N/cores, the probed link), for comparison.
 """
 from __future__ import annotations
 
@@ -166,13 +175,15 @@ class Host:
     codec: dict  # transport -> {"encode": Curve, "decode": Curve} of seconds against bucket elements
     curves: dict  # collective kind -> Curve of seconds against bytes per worker
     cpu_fraction: dict | None = None  # collective kind -> how much the call slows compute beside it (0..1)
+    stretch: dict | None = None  # collective kind -> its time beside compute / alone (>= 1)
 
     @classmethod
     def from_json(cls, cal: dict) -> Host:
         codec = {t: {k: Curve(pts, origin=True) for k, pts in v.items()} for t, v in cal["codec"].items()}
         colls = cal["collectives"]
         return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in colls.items()},
-                   {k: v.get("cpu_fraction", 0.0) for k, v in colls.items()})
+                   {k: v.get("cpu_fraction", 0.0) for k, v in colls.items()},
+                   {k: v.get("stretch_beside_compute", 1.0) for k, v in colls.items()})
 
 
 FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold
@@ -191,11 +202,12 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
 
     Backward hands gradients over at their measured ready times. One Horovod channel runs collectives one
     at a time in submission order, fusing allreduces that are waiting together (up to 64 MB), so
-    communication overlaps the rest of backward, slowing it by the measured share a collective takes from
-    compute beside it. FP32/fp16: each gradient is submitted when ready.
+    communication overlaps the rest of backward, at the measured pace of a collective beside compute,
+    slowing backward by the measured share it takes. FP32/fp16: each gradient is submitted when ready.
     TernGrad (hvd_terngrad.DistributedOptimizer): pass-through floats are allreduced when ready; a bucket,
-    once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread when
-    they return (delaying backward if it is still running), then sends its codes (allgather or fp16 sum);
+    once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread at the
+    first backward hook after they return, or in synchronize() (delaying backward if it is still running),
+    then sends its codes (allgather or fp16 sum);
     after backward, synchronize() decodes the buckets in order (int8 sums are a blocking MPI call there).
     overlap=False runs every collective after backward instead."""
     comp = compute or host.compute[f"{model}:{batch}"]
@@ -238,9 +250,18 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         if cur:
             buckets.append(cur)
 
+        hooks = sorted(set(t_ready.values()))
+
+        def next_poll(t):
+            """The optimizer looks at returned scalers from backward hooks and in synchronize(): the first
+            hook at or after t (hooks move later as backward is delayed), else the end of backward."""
+            shift = state["bwd_end"] - (fwd + bwd)
+            return next((h + shift for h in hooks if h + shift >= t and h + shift < state["bwd_end"]),
+                        state["bwd_end"])
+
         def after_scaler(b, elems):
             def done(t):
-                t0 = max(t, state["main_free"])
+                t0 = max(next_poll(t), state["main_free"])
                 enc = codec["encode"](elems)
                 state["codec"] += enc
                 if t0 < state["bwd_end"]:  # encoded from a backward hook: backward waits for it
@@ -272,8 +293,13 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         cost = curves[kind](nbytes)
         state["comm"] += cost
         chan = start + cost
-        if start < state["bwd_end"]:  # the call's CPU work on this worker's core delays the overlapped backward
-            state["bwd_end"] += (host.cpu_fraction or {}).get(kind, 0.0) * (min(chan, state["bwd_end"]) - start)
+        if start < state["bwd_end"]:
+            # beside backward the call runs `stretch` times slower, and slows backward by `cpu_fraction`
+            r = (host.stretch or {}).get(kind, 1.0)
+            f = (host.cpu_fraction or {}).get(kind, 0.0)
+            beside = min(cost * r, state["bwd_end"] - start)  # seconds of the call spent beside backward
+            state["bwd_end"] += f * beside
+            chan = start + beside + (cost - beside / r)
         last_end = max(last_end, chan)
         if done is not None:
             done(chan)
