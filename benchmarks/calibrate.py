@@ -10,7 +10,7 @@ On every (profile, N) cluster, one job of N ranks measures:
   emulated nodes share this machine's cores, so this is the compute time a worker of that cluster sees;
   on a real cluster it equals the 1-worker time (benchmarks/perf_model.py measure).
 - codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
-  16M elements, for each transport, all ranks at once.
+  16M elements, for each transport, all ranks at once; and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
   fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, with nothing
   else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
@@ -139,7 +139,9 @@ def _rank_main(args) -> None:
     cfg = TernGradConfig(num_threads=1)
     engines = [TernGradEngine(cfg, r, n) for r in range(n)]
     eng = engines[rank]
-    for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8)):
+    # "fp16": Horovod's Compression.fp16, a cast to fp16 in the hook and back after the allreduce.
+    for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8),
+                         ("fp16", "cast")):
         pts = []
         for m in CODEC_SIZES:
             grad = torch.randn(m)
@@ -149,12 +151,17 @@ def _rank_main(args) -> None:
             for i in range(args.codec_reps + 1):
                 hvd.barrier()
                 t0 = time.perf_counter()
-                items = [eng.prepare("cal", grad)]
-                if dtype is None:
+                if dtype == "cast":
+                    half = grad.type(torch.float16)
+                    t1 = time.perf_counter()
+                    out_grad.set_(half.type(torch.float32))
+                elif dtype is None:
+                    items = [eng.prepare("cal", grad)]
                     eng.encode(items)
                     t1 = time.perf_counter()
                     eng.decode(items, gathered, outs=[out_grad])
                 else:
+                    items = [eng.prepare("cal", grad)]
                     vals = eng.encode_values(items, dtype)
                     t1 = time.perf_counter()
                     eng.decode_sums(items, vals, outs=[out_grad])

@@ -233,8 +233,16 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
     if not method.startswith("terngrad"):
         width = 4 if method == "fp32" else 2
         kind = "allreduce_fp32" if method == "fp32" else "allreduce_fp16"
-        for n, numel in params:
-            submit(t_ready[n], kind, width * numel, fusable=True)
+        cast = host.codec.get("fp16") if method == "fp16" else None
+        for n, numel in sorted(params, key=lambda q: t_ready[q[0]]):
+            t = t_ready[n] + state["bwd_end"] - (fwd + bwd)
+            if cast:  # Compression.fp16 casts in the hook (backward waits) and back in synchronize()
+                c, d = cast["encode"](numel), cast["decode"](numel)
+                state["bwd_end"] += c
+                state["codec"] += c + d
+                state["decode_after"] = state.get("decode_after", 0.0) + d
+                t += c
+            submit(t, kind, width * numel, fusable=True)
         buckets = []
     else:
         cfg = TernGradConfig()
@@ -315,7 +323,7 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         dec = codec["decode"](elems)
         state["codec"] += dec
         t += dec
-    t = max(t, last_end) + update
+    t = max(t, last_end) + state.get("decode_after", 0.0) + update
     busy = comp["step"] + state["codec"] + state["comm"]
     return {"compute": comp["step"], "codec": state["codec"], "comm": state["comm"], "overlap": busy - t,
             "total": t}

@@ -107,7 +107,7 @@ def test_calibration_probe_measures_every_input_of_the_model():
     for kind, v in cal["collectives"].items():
         assert [b for b, _ in v["points"]] == SIZES[kind] and all(t > 0 for _, t in v["points"])
         assert v["bandwidth_Bps"] > 0 and v["latency_s"] >= 0 and 0 <= v["cpu_fraction"] <= 1
-    assert set(cal["codec"]) == {"allgather", "summed", "summed-int8"}
+    assert set(cal["codec"]) == {"allgather", "summed", "summed-int8", "fp16"}
     host = Host.from_json(cal)
     for method in ("fp32", "fp16", "terngrad", "terngrad:summed", "terngrad:summed-int8"):
         st = host_step_seconds(method, "tiny", 8, host)
