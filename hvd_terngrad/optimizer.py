@@ -195,7 +195,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 elif b.kind == "summed":
                     outs = self._engine.decode_sums(b.items, self._transport.wait(b.gather_handle), outs=direct)
                 else:
-                    outs = self._engine.decode_sums(b.items, self._transport.int8_sum_(b.values), outs=direct)
+                    summed = self._transport.int8_sum_(b.values, what=f"bucket {b.index} ({b.items[0].name!r}, ...)")
+                    outs = self._engine.decode_sums(b.items, summed, outs=direct)
                 bad += self._engine.nonfinite(b.items)
                 for p, out in zip(b.params, outs):
                     if out.data_ptr() != p.grad.data_ptr():

@@ -7,6 +7,8 @@ grow with N. The scaler vector of a group goes through a Max allreduce first whe
 """
 from __future__ import annotations
 
+import sys
+import threading
 from contextlib import nullcontext as _nullcontext
 
 import horovod.torch as hvd
@@ -42,13 +44,41 @@ class HorovodTransport:
     def sum_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
 
-    def int8_sum_(self, values: torch.Tensor) -> torch.Tensor:
-        """In-place int8 Sum allreduce through mpi4py on a duplicate of MPI_COMM_WORLD (blocking)."""
+    # How long an int8 sum may take before the job is aborted: MPI calls from two threads at once
+    # (MPI_THREAD_MULTIPLE) over Open MPI 4.1's TCP transport lost a message once in our 8-rank runs, which
+    # left one rank waiting forever; a clear abort beats a silent hang. Generous: a 100 MB sum over 1 Gbit/s
+    # Ethernet takes about 2 s.
+    INT8_TIMEOUT_S = 300.0
+
+    def int8_sum_(self, values: torch.Tensor, what: str = "") -> torch.Tensor:
+        """In-place int8 Sum allreduce through mpi4py on a duplicate of MPI_COMM_WORLD (blocking).
+
+        The call runs on a helper thread while this one waits at most INT8_TIMEOUT_S; past that the job is
+        aborted (MPI_Abort) with a message naming `what` and this rank, so no rank hangs."""
         if values.is_cuda:
             raise ValueError("transport='summed-int8' works on CPU tensors; use transport='summed' on GPUs")
         comm = self._int8_comm()
+        MPI = _mpi()
+        err: list[BaseException] = []
+
+        def run():
+            try:
+                comm.Allreduce(MPI.IN_PLACE, values.numpy(), op=MPI.SUM)
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+                err.append(exc)
+
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
-            comm.Allreduce(_mpi().IN_PLACE, values.numpy(), op=_mpi().SUM)
+            worker = threading.Thread(target=run, name="hvd_terngrad-int8-sum", daemon=True)
+            worker.start()
+            worker.join(self.INT8_TIMEOUT_S)
+        if worker.is_alive():
+            print(f"hvd_terngrad: the int8 code-sum allreduce of {what or 'a bucket'} on rank {self.rank} did not "
+                  f"complete in {self.INT8_TIMEOUT_S:.0f} s (a peer that never joined it, or a message lost by "
+                  f"MPI under MPI_THREAD_MULTIPLE); aborting the job. transport='summed' avoids mpi4py.",
+                  file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(3)
+        if err:
+            raise err[0]
         return values
 
     def _int8_comm(self):

@@ -54,6 +54,36 @@ def test_sigkilled_rank_ends_the_job_within_60s(front):
 
 
 # ---------------------------------------------------------------------------------------------
+def body_int8_peer_never_joins():
+    import time as _time
+
+    import horovod.torch as hvd
+
+    from hvd_terngrad.transport import HorovodTransport
+
+    hvd.init()
+    t = HorovodTransport()
+    t.INT8_TIMEOUT_S = 3.0
+    t._int8_comm()  # collective: every rank makes the communicator on its first sum
+    if hvd.rank() == 0:
+        t.int8_sum_(torch.ones(1000, dtype=torch.int8), what="bucket 0 ('fc.weight', ...)")
+        return "returned"
+    _time.sleep(120)  # never joins
+    return "slept"
+
+
+@pytest.mark.mpi
+def test_int8_sum_that_never_completes_aborts_the_job_with_a_clear_error():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks("tests.test_hardening:body_int8_peer_never_joins", np=2, timeout=90)
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 60
+    assert "int8 code-sum allreduce of bucket 0 ('fc.weight', ...) on rank 0 did not complete in 3 s" in msg, \
+        msg[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
 def body_shapes_and_dtypes():
     """Parameters of many shapes and dtypes; the averaged gradient equals the reference decode."""
     import horovod.torch as hvd
