@@ -44,10 +44,10 @@ class HorovodTransport:
     def sum_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
 
-    # How long an int8 sum may take before the job is aborted: MPI calls from two threads at once
-    # (MPI_THREAD_MULTIPLE) over Open MPI 4.1's TCP transport lost a message once in our 8-rank runs, which
-    # left one rank waiting forever; a clear abort beats a silent hang. Generous: a 100 MB sum over 1 Gbit/s
-    # Ethernet takes about 2 s.
+    # How long an int8 sum may take before the job is aborted. Once in our 8-rank runs one rank stayed in its
+    # last sum after the others had finished it and exited (MPI called from two threads at once,
+    # MPI_THREAD_MULTIPLE, over Open MPI 4.1's TCP transport); a clear abort beats a silent hang.
+    # Generous: a 100 MB sum over 1 Gbit/s Ethernet takes about 2 s.
     INT8_TIMEOUT_S = 300.0
 
     def int8_sum_(self, values: torch.Tensor, what: str = "") -> torch.Tensor:
@@ -73,8 +73,8 @@ class HorovodTransport:
             worker.join(self.INT8_TIMEOUT_S)
         if worker.is_alive():
             print(f"hvd_terngrad: the int8 code-sum allreduce of {what or 'a bucket'} on rank {self.rank} did not "
-                  f"complete in {self.INT8_TIMEOUT_S:.0f} s (a peer that never joined it, or a message lost by "
-                  f"MPI under MPI_THREAD_MULTIPLE); aborting the job. transport='summed' avoids mpi4py.",
+                  f"complete in {self.INT8_TIMEOUT_S:.0f} s (a peer that never joined it, or MPI under "
+                  f"MPI_THREAD_MULTIPLE); aborting the job. transport='summed' avoids mpi4py.",
                   file=sys.stderr, flush=True)
             MPI.COMM_WORLD.Abort(3)
         if err:
