@@ -1,11 +1,13 @@
 """Throughput sweep on emulated clusters: {models} x {fp32, fp16, terngrad} x {ethernet-1g, fast} x {2, 4} nodes.
 
-    python benchmarks/sweep.py                 # the full sweep (about 10 minutes on 2 cores)
+    python benchmarks/sweep.py                 # the full sweep (about 12 minutes on 2 cores)
+    python benchmarks/sweep.py --calibrate     # and the performance model's inputs per cluster (16 minutes)
     python benchmarks/sweep.py --quick         # fewer iterations
     python benchmarks/sweep.py --models alexnet --nodes 2,4,8 --profiles ethernet-1g
 
 Every configuration runs in the same sweep, so the ratios are side by side. Writes into --out (default
-results/): sweep.json (every run, the probed links, wire-byte counters), sweep.png (throughput against
+results/): sweep.json (every run, the probed links, wire-byte counters, with --calibrate the
+calibration of every cluster and each run's compute probe), sweep.png (throughput against
 nodes, one panel per profile, in the manner of the paper's Figure 5) and sweep.md (speedup table with
 TernGrad's per-phase time).
 """
