@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hvd_terngrad import TernGradConfig  # noqa: E402
+from hvd_terngrad.optimizer import plan_buckets  # noqa: E402
 from hvd_terngrad.perfmodel import Link, allgather_time, allreduce_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,18 +246,11 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
             submit(t, kind, width * numel, fusable=True)
         buckets = []
     else:
-        cfg = TernGradConfig()
-        buckets, cur = [], []
-        for n, numel in reversed(params):
-            if not cfg.compresses(n, numel):
-                submit(t_ready[n], "allreduce_fp32", 4 * numel, fusable=True)
-                continue
-            cur.append((n, numel))
-            if 4 * sum(e for _, e in cur) >= bucket_bytes:
-                buckets.append(cur)
-                cur = []
-        if cur:
-            buckets.append(cur)
+        groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
+        for i in floats:
+            n, numel = params[i]
+            submit(t_ready[n], "allreduce_fp32", 4 * numel, fusable=True)
+        buckets = [[params[i] for i in g] for g in groups]
 
         hooks = sorted(set(t_ready.values()))
 

@@ -13,22 +13,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.perf_model import split_of  # noqa: E402
 from benchmarks.synthetic import MODELS  # noqa: E402
-from hvd_terngrad import TernGradConfig  # noqa: E402
 from hvd_terngrad.perfmodel import Link, allreduce_time, choose_transport, transport_time  # noqa: E402
 
 
 def split(model: str) -> tuple[int, int, int]:
     """(coded elements, coded tensors, float elements) under the default options."""
-    cfg = TernGradConfig()
-    coded = tensors = floats = 0
-    for name, p in MODELS[model]().named_parameters():
-        if cfg.compresses(name, p.numel()):
-            coded += p.numel()
-            tensors += 1
-        else:
-            floats += p.numel()
-    return coded, tensors, floats
+    s = split_of(MODELS[model]())
+    return s.coded, s.tensors, s.floats
 
 
 def predict_bytes(row: dict) -> float:

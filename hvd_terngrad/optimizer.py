@@ -26,6 +26,26 @@ from hvd_terngrad.engine import Item, NonFiniteGradientError
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 
+def plan_buckets(params: list[tuple[str, int, int]], cfg, bucket_bytes: int) -> tuple[list[list[int]], list[int]]:
+    """How the optimizer groups parameters, from (name, numel, element size) in registration order: buckets
+    of coded parameters in reverse registration order (the usual order of backward), each closed once it
+    holds at least bucket_bytes, and the parameters that stay in float. Returns indices into `params`."""
+    buckets, cur, cur_bytes, floats = [], [], 0, []
+    for i in reversed(range(len(params))):
+        name, numel, itemsize = params[i]
+        if not cfg.compresses(name, numel):
+            floats.append(i)
+            continue
+        cur.append(i)
+        cur_bytes += numel * itemsize
+        if cur_bytes >= bucket_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets, floats
+
+
 class _Bucket:
     __slots__ = ("index", "params", "ready", "items", "state", "scaler_handle", "gather_handle", "kind", "values")
 
@@ -80,22 +100,11 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for _, p in self._named}
 
-        # Buckets in reverse registration order, the usual order of backward.
-        self._float_params = []
-        self._buckets: list[_Bucket] = []
+        groups, floats = plan_buckets([(n, p.numel(), p.element_size()) for n, p in self._named], self._cfg,
+                                      bucket_bytes)
+        self._float_params = [self._named[i][1] for i in floats]
+        self._buckets: list[_Bucket] = [_Bucket(k, [self._named[i][1] for i in g]) for k, g in enumerate(groups)]
         self._bucket_of = {}
-        cur, cur_bytes = [], 0
-        for n, p in reversed(self._named):
-            if not self._cfg.compresses(n, p.numel()):
-                self._float_params.append(p)
-                continue
-            cur.append(p)
-            cur_bytes += p.numel() * p.element_size()
-            if cur_bytes >= bucket_bytes:
-                self._buckets.append(_Bucket(len(self._buckets), cur))
-                cur, cur_bytes = [], 0
-        if cur:
-            self._buckets.append(_Bucket(len(self._buckets), cur))
         for b in self._buckets:
             for p in b.params:
                 self._bucket_of[p] = b
