@@ -12,12 +12,13 @@ On every (profile, N) cluster, one job of N ranks measures:
 - codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
   16M elements, for each transport, all ranks at once; and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
-  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, with nothing
-  else running. Each is fitted to t = a + x / B, where x is the collective's bandwidth term in bytes
-  (allreduce 2 (N-1)/N * bytes, allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a
-  is the per-call latency and B the effective bandwidth the link, MPI and the host's TCP stack together give;
-  and, for the largest call, how much it slows compute running beside it on the worker's core (the main
-  thread's rate of matrix products, against alone) and how much that compute slows it.
+  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, each a large and
+  a small tensor fused into one call as in training, with nothing else running. Each is fitted to
+  t = a + x / B, where x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes,
+  allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a is the per-call latency and B
+  the effective bandwidth the link, MPI and the host's TCP stack together give;
+  and, at every size, how long the call takes beside compute on the worker's core and how much it slows
+  that compute (the main thread's rate of matrix products, against alone).
 
 None of the sweep's models or payload sizes is an input of the fit, so validating the model against the
 sweep (benchmarks/perf_model.py validate) tests it on data it was not fitted to.
@@ -184,52 +185,68 @@ def _rank_main(args) -> None:
             k += 1
         return k / (time.perf_counter() - t0)
 
+    def wait(handles):
+        for h in handles:
+            hvd.synchronize(h)
+
+    hvd.barrier()
+    t_end = time.perf_counter() + 0.5
+    alone = work_rate(lambda: time.perf_counter() > t_end)
     for kind, sizes in SIZES.items():
-        pts = []
+        pts, beside, cpu = [], [], []
         for nbytes in sizes:
+            # Horovod calls as training makes them: a tensor and a small one (a bias, a scaler vector) fused
+            # into one call, which goes through Horovod's fusion buffer (two copies a single tensor skips)
             if kind == "allgather_u8":
-                buf = torch.zeros(nbytes, dtype=torch.uint8)
-                start = lambda i, buf=buf: hvd.allgather_async(buf, name=f"cal.ag.{i}")  # noqa: E731
+                bufs = [torch.zeros(nbytes - 64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+                start = lambda i, bufs=bufs: [hvd.allgather_async(b, name=f"cal.ag.{i}.{j}")  # noqa: E731
+                                              for j, b in enumerate(bufs)]
             elif kind == "allreduce_int8":
                 buf = torch.zeros(nbytes, dtype=torch.int8)
                 start = lambda i, buf=buf: transport.int8_sum_(buf)  # noqa: E731  (blocking)
             else:
                 dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
-                buf = torch.zeros(nbytes // (4 if dt == torch.float32 else 2), dtype=dt)
-                start = lambda i, buf=buf: hvd.allreduce_async_(buf, name=f"cal.ar.{i}", op=hvd.Average)  # noqa: E731
+                width = 4 if dt == torch.float32 else 2
+                bufs = [torch.zeros(nbytes // width - 16, dtype=dt), torch.zeros(16, dtype=dt)]
+                start = lambda i, bufs=bufs: [hvd.allreduce_async_(b, name=f"cal.ar.{i}.{j}", op=hvd.Average)  # noqa: E731
+                                              for j, b in enumerate(bufs)]
             ts = []
             for i in range(args.comm_reps + 1):
                 hvd.barrier()  # then time the call alone
                 t0 = time.perf_counter()
-                h = start(i)
+                hs = start(i)
                 if kind != "allreduce_int8":
-                    hvd.synchronize(h)
+                    wait(hs)
                 if i:
                     ts.append(time.perf_counter() - t0)
             # the mean: a shaped link's tail drops stall TCP for a retransmission timeout now and then
             # (30 MB over ethernet-1g took 255 ms, or 400 with a stall), and a training step pays for them
             pts.append((nbytes, slowest(ts, mean=True)))
-        # How much the call slows compute beside it on this worker's core (MPI's and Horovod's threads, the
-        # TCP copies): the main thread's rate of matrix products while the largest call runs, against alone.
-        # And how much compute beside it slows the call: MPI over TCP progresses only when Horovod's thread
-        # gets the core, which it yields to a computing main thread.
-        slow, stretch = 1.0, 1.0  # the int8 sum is a blocking call in the main thread: nothing runs beside it
-        if kind != "allreduce_int8":
-            hvd.barrier()
-            t_end = time.perf_counter() + 0.3
-            alone = work_rate(lambda t_end=t_end: time.perf_counter() > t_end)
+            if kind == "allreduce_int8":  # a blocking call in the main thread: nothing runs beside it
+                continue
+            # The same call beside compute on this worker's core: how long it takes then, and how much it
+            # slows compute (the main thread's rate of matrix products, against alone). MPI over TCP
+            # progresses only when Horovod's thread gets the core, which a computing main thread holds for
+            # its time slice: a call waits on that once per message exchange, so the stretch depends on
+            # size (ethernet-1g, 4 nodes: 0.5 MB 11x, 2 MB 3.6x, 8 MB 1.7x, 25 MB 1.2x).
             durs, rates = [], []
-            for i in range(2):
+            for i in range(args.beside_reps):
                 hvd.barrier()
                 t0 = time.perf_counter()
-                h = start(-1 - i)
-                rates.append(work_rate(lambda h=h: hvd.poll(h)))
+                hs = start(-1 - i)
+                rates.append(work_rate(lambda hs=hs: all(hvd.poll(h) for h in hs)))
                 durs.append(time.perf_counter() - t0)
-                hvd.synchronize(h)
-            slow = slowest([max(0.0, min(1.0, 1.0 - sum(rates) / 2 / alone))], mean=True)
-            stretch = max(1.0, slowest(durs, mean=True) / pts[-1][1])
-        out["collectives"][kind] = {"points": pts, "cpu_fraction": slow, "stretch_beside_compute": stretch,
-                                    **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
+                wait(hs)
+            beside.append((nbytes, slowest(durs, mean=True)))
+            cpu.append((nbytes, slowest([max(0.0, min(1.0, 1.0 - sum(rates) / len(rates) / alone))], mean=True)))
+        entry = {"points": pts, **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
+        if beside:
+            entry.update({"beside_compute_points": beside, "cpu_fraction_points": cpu,
+                          "stretch_beside_compute": max(1.0, beside[-1][1] / pts[-1][1]),
+                          "cpu_fraction": cpu[-1][1]})
+        else:
+            entry.update({"stretch_beside_compute": 1.0, "cpu_fraction": 1.0})
+        out["collectives"][kind] = entry
     if rank == 0:
         Path(args.json).write_text(json.dumps(out))
 
@@ -239,7 +256,7 @@ def calibrate(cluster, workloads: str = DEFAULT_WORKLOADS, timeout: float = 900,
     """Run the probe job on an EmulatedCluster and return its measurements."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = Path(f.name)
-    reps = ["--compute-reps", "3", "--comm-reps", "2", "--codec-reps", "3"] if quick else []
+    reps = ["--compute-reps", "3", "--comm-reps", "2", "--codec-reps", "3", "--beside-reps", "1"] if quick else []
     try:
         res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--rank-probe", "--json", str(path),
                            "--workloads", workloads, *reps], timeout=timeout)
@@ -272,6 +289,7 @@ def main(argv=None):
     ap.add_argument("--compute-reps", type=int, default=8)
     ap.add_argument("--codec-reps", type=int, default=10)
     ap.add_argument("--comm-reps", type=int, default=6)
+    ap.add_argument("--beside-reps", type=int, default=3)
     args = ap.parse_args(argv)
     if args.rank_probe:
         _rank_main(args)

@@ -177,6 +177,8 @@ class Host:
     curves: dict  # collective kind -> Curve of seconds against bytes per worker
     cpu_fraction: dict | None = None  # collective kind -> how much the call slows compute beside it (0..1)
     stretch: dict | None = None  # collective kind -> its time beside compute / alone (>= 1)
+    beside: dict | None = None  # collective kind -> Curve of its seconds beside compute, against bytes
+    cpu: dict | None = None  # collective kind -> Curve of its cpu_fraction, against bytes
 
     @classmethod
     def from_json(cls, cal: dict) -> Host:
@@ -184,7 +186,16 @@ class Host:
         colls = cal["collectives"]
         return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in colls.items()},
                    {k: v.get("cpu_fraction", 0.0) for k, v in colls.items()},
-                   {k: v.get("stretch_beside_compute", 1.0) for k, v in colls.items()})
+                   {k: v.get("stretch_beside_compute", 1.0) for k, v in colls.items()},
+                   {k: Curve(v["beside_compute_points"]) for k, v in colls.items() if "beside_compute_points" in v},
+                   {k: Curve(v["cpu_fraction_points"]) for k, v in colls.items() if "cpu_fraction_points" in v})
+
+    def beside_compute(self, kind: str, nbytes: float, alone: float) -> tuple[float, float]:
+        """(stretch, cpu_fraction) of a `kind` call of `nbytes` that takes `alone` seconds by itself: measured
+        at each calibrated size where the calibration has them, else those of its largest call."""
+        if self.beside and kind in self.beside:
+            return max(1.0, self.beside[kind](nbytes) / alone), min(1.0, max(0.0, self.cpu[kind](nbytes)))
+        return (self.stretch or {}).get(kind, 1.0), (self.cpu_fraction or {}).get(kind, 0.0)
 
 
 FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold
@@ -198,7 +209,7 @@ def _params_of(model: str) -> list[tuple[str, int]]:
 
 
 def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: bool = True,
-                      bucket_bytes: int = 4 << 20, compute: dict | None = None) -> dict:
+                      bucket_bytes: int = 4 << 20, compute: dict | None = None, trace: list | None = None) -> dict:
     """One training step on a calibrated host, as a timeline.
 
     Backward hands gradients over at their measured ready times. One Horovod channel runs collectives one
@@ -210,7 +221,8 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
     first backward hook after they return, or in synchronize() (delaying backward if it is still running),
     then sends its codes (allgather or fp16 sum);
     after backward, synchronize() decodes the buckets in order (int8 sums are a blocking MPI call there).
-    overlap=False runs every collective after backward instead."""
+    overlap=False runs every collective after backward instead. `trace`, a list, receives each
+    (fused) collective as (start, end, kind, bytes, end of backward so far)."""
     comp = compute or host.compute[f"{model}:{batch}"]
     fwd, bwd = comp["forward"], comp["backward"]
     update = max(0.0, comp["step"] - fwd - bwd)
@@ -221,14 +233,17 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
     transport = method.partition(":")[2] or "allgather"
     codec = host.codec.get(transport) if method.startswith("terngrad") else None
 
-    queue: list[list] = []  # [submit time, seq, kind, bytes, done callback, fusable]
+    # [submit time, seq, kind, bytes, done callback, fusion key]: Horovod fuses waiting requests of one
+    # collective, dtype and reduce op (the key), looking past others, up to 64 MB (an allgather's output)
+    queue: list[list] = []
     seq = [0]
 
-    def submit(t, kind, nbytes, done=None, fusable=False):
-        queue.append([t, seq[0], kind, nbytes, done, fusable])
+    def submit(t, kind, nbytes, done=None, fuse=None):
+        queue.append([t, seq[0], kind, nbytes, done, fuse])
         seq[0] += 1
 
-    state = {"bwd_end": fwd + bwd, "main_free": 0.0, "comm": 0.0, "codec": 0.0}
+    state = {"bwd_end": fwd + bwd, "main_free": 0.0, "comm": 0.0, "codec": 0.0, "decoded": 0}
+    stalls: list[tuple[float, float]] = []  # main-thread codec work after backward
     done_at: dict = {}
 
     if not method.startswith("terngrad"):
@@ -243,13 +258,13 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
                 state["codec"] += c + d
                 state["decode_after"] = state.get("decode_after", 0.0) + d
                 t += c
-            submit(t, kind, width * numel, fusable=True)
+            submit(t, kind, width * numel, fuse="average")
         buckets = []
     else:
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
         for i in floats:
             n, numel = params[i]
-            submit(t_ready[n], "allreduce_fp32", 4 * numel, fusable=True)
+            submit(t_ready[n], "allreduce_fp32", 4 * numel, fuse="average")
         buckets = [[params[i] for i in g] for g in groups]
 
         hooks = sorted(set(t_ready.values()))
@@ -268,55 +283,89 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
                 state["codec"] += enc
                 if t0 < state["bwd_end"]:  # encoded from a backward hook: backward waits for it
                     state["bwd_end"] += enc
+                else:  # in synchronize(): collectives in flight meanwhile run beside compute
+                    stalls.append((t0, t0 + enc))
                 state["main_free"] = t0 + enc
                 done_at[("encoded", b)] = t0 + enc
                 if transport == "allgather":
                     tensors = len(buckets[b])
-                    submit(t0 + enc, "allgather_u8", (elems + 3) // 4 + 24 * tensors,
-                           lambda t2: done_at.__setitem__(("sent", b), t2))
+                    submit(t0 + enc, "allgather_u8", (elems + 3) // 4 + 24 * tensors, sent(b), fuse="gather")
                 elif transport == "summed":
-                    submit(t0 + enc, "allreduce_fp16", 2 * elems, lambda t2: done_at.__setitem__(("sent", b), t2))
+                    submit(t0 + enc, "allreduce_fp16", 2 * elems, sent(b), fuse="sum")
+                drain()
             return done
+
+        def sent(b):
+            def done(t):
+                done_at[("sent", b)] = t
+                drain()
+            return done
+
+        def drain():
+            """synchronize() encodes every bucket, then decodes them in order as their codes arrive: each decode
+            is main-thread work beside the collectives still in flight."""
+            if transport == "summed-int8" or any(("encoded", b) not in done_at for b in range(len(buckets))):
+                return
+            while state["decoded"] < len(buckets) and ("sent", state["decoded"]) in done_at:
+                b = state["decoded"]
+                t0 = max(state["bwd_end"], state["main_free"], done_at[("sent", b)])
+                dec = codec["decode"](sum(e for _, e in buckets[b]))
+                state["codec"] += dec
+                stalls.append((t0, t0 + dec))
+                state["main_free"] = t0 + dec
+                state["decoded"] += 1
 
         for b, members in enumerate(buckets):
             elems = sum(e for _, e in members)
-            submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b, elems))
+            submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b, elems),
+                   fuse="max")
 
     chan = 0.0
     last_end = 0.0
     while queue:
         queue.sort(key=lambda q: (q[0], q[1]))
-        t, _, kind, nbytes, done, fusable = queue.pop(0)
+        t, _, kind, nbytes, done, fuse = queue.pop(0)
         start = max(chan, t)
-        if fusable:  # Horovod fuses allreduces that are waiting when the channel frees up
-            while queue and queue[0][5] and queue[0][2] == kind and queue[0][0] <= start and \
-                    nbytes + queue[0][3] <= FUSION_BYTES:
-                nbytes += queue.pop(0)[3]
+        dones = [done]
+        if fuse:  # fuse what is waiting when the channel frees up
+            scale = host.nodes if kind.startswith("allgather") else 1
+            i = 0
+            while i < len(queue) and queue[i][0] <= start:
+                q = queue[i]
+                if q[5] == fuse and q[2] == kind and (nbytes + q[3]) * scale <= FUSION_BYTES:
+                    nbytes += q[3]
+                    dones.append(q[4])
+                    queue.pop(i)
+                else:
+                    i += 1
         cost = curves[kind](nbytes)
         state["comm"] += cost
         chan = start + cost
         if start < state["bwd_end"]:
             # beside backward the call runs `stretch` times slower, and slows backward by `cpu_fraction`
-            r = (host.stretch or {}).get(kind, 1.0)
-            f = (host.cpu_fraction or {}).get(kind, 0.0)
+            r, f = host.beside_compute(kind, nbytes, cost)
             beside = min(cost * r, state["bwd_end"] - start)  # seconds of the call spent beside backward
             state["bwd_end"] += f * beside
             chan = start + beside + (cost - beside / r)
+        for s0, s1 in sorted(stalls):  # main-thread codec work after backward slows the call the same way
+            if s1 > start and s0 < chan:
+                r, _ = host.beside_compute(kind, nbytes, cost)
+                chan += (min(s1, chan) - max(s0, start)) * (1 - 1 / r)
         last_end = max(last_end, chan)
-        if done is not None:
-            done(chan)
+        if trace is not None:
+            trace.append((start, chan, kind, nbytes, state["bwd_end"]))
+        for done in dones:
+            if done is not None:
+                done(chan)
     t = max(state["bwd_end"], state["main_free"])
-    for b, members in enumerate(buckets):  # synchronize(): decode in bucket order
-        elems = sum(e for _, e in members)
-        if transport == "summed-int8":
+    if transport == "summed-int8":  # synchronize(): a blocking int8 sum, then the decode, per bucket
+        for b, members in enumerate(buckets):
+            elems = sum(e for _, e in members)
             cost = curves["allreduce_int8"](elems)
+            dec = codec["decode"](elems)
             state["comm"] += cost
-            t = max(t, done_at[("encoded", b)]) + cost
-        else:
-            t = max(t, done_at[("sent", b)])
-        dec = codec["decode"](elems)
-        state["codec"] += dec
-        t += dec
+            state["codec"] += dec
+            t = max(t, done_at[("encoded", b)]) + cost + dec
     t = max(t, last_end) + state.get("decode_after", 0.0) + update
     busy = comp["step"] + state["codec"] + state["comm"]
     return {"compute": comp["step"], "codec": state["codec"], "comm": state["comm"], "overlap": busy - t,

@@ -107,6 +107,10 @@ def test_calibration_probe_measures_every_input_of_the_model():
     for kind, v in cal["collectives"].items():
         assert [b for b, _ in v["points"]] == SIZES[kind] and all(t > 0 for _, t in v["points"])
         assert v["bandwidth_Bps"] > 0 and v["latency_s"] >= 0 and 0 <= v["cpu_fraction"] <= 1
+        if kind != "allreduce_int8":  # measured beside compute at every size
+            assert [b for b, _ in v["beside_compute_points"]] == SIZES[kind]
+            assert all(t > 0 for _, t in v["beside_compute_points"])
+            assert all(0 <= f <= 1 for _, f in v["cpu_fraction_points"])
     assert set(cal["codec"]) == {"allgather", "summed", "summed-int8", "fp16"}
     host = Host.from_json(cal)
     for method in ("fp32", "fp16", "terngrad", "terngrad:summed", "terngrad:summed-int8"):

@@ -125,3 +125,41 @@ def test_cpu_bound_communication_does_not_hide_behind_backward():
     flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
     assert host_step_seconds("fp32", "mlp", 32, host)["total"] < flat - 0.02
     assert host_step_seconds("fp32", "mlp", 32, busy)["total"] == pytest.approx(flat, rel=1e-6)
+
+
+def test_waiting_requests_of_one_kind_fuse_past_others():
+    # every gradient ready at once: Horovod fuses the buckets' scaler Max allreduces into one call, apart from
+    # the pass-through floats' Average allreduce, whatever order they were submitted in
+    from benchmarks.perf_model import _params_of
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.optimizer import plan_buckets
+
+    params = _params_of("mlp")
+    host = _host(ready={n: 0.0 for n, _ in params})
+    trace = []
+    host_step_seconds("terngrad", "mlp", 32, host, trace=trace)
+    groups, floats = plan_buckets([(n, e, 4) for n, e in params], TernGradConfig(), 4 << 20)
+    coded = sum(len(g) for g in groups)
+    assert len(groups) > 1 and floats
+    scalers = [t for t in trace if t[2] == "allreduce_fp32" and t[3] == 16 * coded]
+    assert len(scalers) == 1
+    assert sum(t[2] == "allreduce_fp32" for t in trace) == 2  # the fused scalers and the fused floats
+
+
+def test_stretch_beside_compute_is_read_per_size():
+    from dataclasses import replace
+
+    from benchmarks.perf_model import _params_of
+
+    host = _host(bandwidth=1e9, ready={n: 0.0 for n, _ in _params_of("mlp")})
+    flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
+    free = host_step_seconds("fp32", "mlp", 32, host)["total"]
+    sizes = [1e3, 1e6, 1e8]
+    same = replace(host, beside={k: c for k, c in host.curves.items()},
+                   cpu={k: Curve([(b, 0.0) for b in sizes]) for k in host.curves})
+    assert host_step_seconds("fp32", "mlp", 32, same)["total"] == pytest.approx(free, rel=1e-9)
+    # a call that barely moves beside compute (a time slice per message exchange) hides nothing
+    stuck = replace(same, beside={k: Curve([(b, 1e3 * c(b)) for b in sizes]) for k, c in host.curves.items()})
+    assert host.beside_compute("allreduce_fp32", 1e6, host.curves["allreduce_fp32"](1e6)) == (1.0, 0.0)
+    assert stuck.beside_compute("allreduce_fp32", 1e6, host.curves["allreduce_fp32"](1e6))[0] == pytest.approx(1e3)
+    assert host_step_seconds("fp32", "mlp", 32, stuck)["total"] == pytest.approx(flat, rel=1e-3)
