@@ -12,7 +12,7 @@ On every (profile, N) cluster, one job of N ranks measures:
 - codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
   16M elements, for each transport, all ranks at once; and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
-  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five payload sizes, each a large and
+  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five or six payload sizes, each a large and
   a small tensor fused into one call as in training, with nothing else running. Each is fitted to
   t = a + x / B, where x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes,
   allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a is the per-call latency and B
@@ -35,10 +35,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Per-worker payload bytes of each collective: spans the sweep's range (tens of kB of scalers and pass-through
-# floats, up to the 50 MB fp32 gradient of `wide`) without copying any of its sizes.
+# floats, up to the 50 MB fp32 gradient of `wide`) without copying any of its sizes. Time per byte is not
+# linear between 8 and 50 MB (on `fast`, 8 MB took 7.2 ms, 31 MB 23.5 ms and 50 MB 53.5 ms), so the
+# allreduces get a point in between.
 SIZES = {
-    "allreduce_fp32": [2**14, 2**18, 2**21, 2**23, 3 * 2**24],
-    "allreduce_fp16": [2**14, 2**18, 2**21, 2**23, 3 * 2**23],
+    "allreduce_fp32": [2**14, 2**18, 2**21, 2**23, 3 * 2**23, 3 * 2**24],
+    "allreduce_fp16": [2**14, 2**18, 2**21, 2**23, 2**24, 3 * 2**23],
     "allgather_u8": [2**12, 2**16, 2**19, 2**21, 3 * 2**20],
     "allreduce_int8": [2**14, 2**18, 2**21, 2**23, 3 * 2**22],
 }
