@@ -10,10 +10,12 @@ Two uses, one decomposition:
 - The emulated cluster (validate). Its N nodes share this machine's cores and TCP stack, so the inputs
   are measured on it, without training (benchmarks/calibrate.py): compute of N workers at once and when
   each gradient is ready within backward; the engine's encode/decode per transport; and each collective's
-  time against payload size, plus how much it slows compute beside it. host_step_seconds() replays a step
-  as a timeline: gradients become ready, one Horovod channel runs the collectives in order (fusing
-  allreduces that wait together), TernGrad buckets share scalers, encode and send their codes, and
-  synchronize() decodes. The overlap is what the timeline hides behind backward.
+  time against payload size, alone and beside compute, plus how much it slows that compute.
+  host_step_seconds() replays a step as a timeline: gradients become ready, one Horovod channel runs the
+  collectives in order (fusing the waiting requests of one collective, dtype and reduce op, as Horovod
+  does), TernGrad buckets share scalers, encode and send their codes, and synchronize() decodes. A
+  collective runs at its measured pace beside compute, at its size, while backward runs or the main thread
+  encodes or decodes. The overlap is what the timeline hides behind that work.
 - Real clusters (extrapolate): compute from published per-GPU throughput, the codec at the GPU goal's
   bandwidth, and hvd_terngrad/perfmodel.py's link formulas (ring allreduce, allgather, summed sums, the
   scaler allreduce; hierarchical with several GPUs per node). Overlap: communication hides behind backward
@@ -213,14 +215,17 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
     """One training step on a calibrated host, as a timeline.
 
     Backward hands gradients over at their measured ready times. One Horovod channel runs collectives one
-    at a time in submission order, fusing allreduces that are waiting together (up to 64 MB), so
-    communication overlaps the rest of backward, at the measured pace of a collective beside compute,
-    slowing backward by the measured share it takes. FP32/fp16: each gradient is submitted when ready.
+    at a time in submission order, fusing the requests that are waiting when it frees up and share a
+    collective, dtype and reduce op (looking past others, up to 64 MB), so communication overlaps the rest
+    of backward, at the measured pace of a collective of its size beside compute, slowing backward by the
+    measured share it takes. FP32/fp16: each gradient is submitted when ready.
     TernGrad (hvd_terngrad.DistributedOptimizer): pass-through floats are allreduced when ready; a bucket,
     once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread at the
     first backward hook after they return, or in synchronize() (delaying backward if it is still running),
     then sends its codes (allgather or fp16 sum);
-    after backward, synchronize() decodes the buckets in order (int8 sums are a blocking MPI call there).
+    synchronize() encodes what is left, then decodes the buckets in order as their codes arrive (int8 sums
+    are a blocking MPI call there). Collectives in flight while the main thread encodes or decodes after
+    backward run at their pace beside compute too.
     overlap=False runs every collective after backward instead. `trace`, a list, receives each
     (fused) collective as (start, end, kind, bytes, end of backward so far)."""
     comp = compute or host.compute[f"{model}:{batch}"]
@@ -274,7 +279,7 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
             hook at or after t (hooks move later as backward is delayed), else the end of backward."""
             shift = state["bwd_end"] - (fwd + bwd)
             return next((h + shift for h in hooks if h + shift >= t and h + shift < state["bwd_end"]),
-                        state["bwd_end"])
+                        max(t, state["bwd_end"]))
 
         def after_scaler(b, elems):
             def done(t):
@@ -545,15 +550,13 @@ def main(argv=None):
             for sw in sweeps:
                 rows += validate(sw, compute, codec, args.cores)
         else:
-            cals = [c for sw in sweeps for c in sw.get("calibration", [])]
-            for path in args.calibration or []:
-                cals += json.loads(Path(path).read_text())["calibration"]
-            if not cals:
+            extra = [c for path in args.calibration or [] for c in json.loads(Path(path).read_text())["calibration"]]
+            if not extra and not all(sw.get("calibration") for sw in sweeps):
                 print("validate: no calibration (run benchmarks/calibrate.py or sweep.py --calibrate), "
                       "or pass --link-only", file=sys.stderr)
                 return 2
-            hosts = {(c["profile"], c["nodes"]): Host.from_json(c) for c in cals}
-            for sw in sweeps:
+            for sw in sweeps:  # each sweep's rows against its own clusters' calibration
+                hosts = {(c["profile"], c["nodes"]): Host.from_json(c) for c in sw.get("calibration", []) + extra}
                 rows += validate_host(sw, hosts, not args.no_overlap)
         text = validation_table(rows)
         print(text)

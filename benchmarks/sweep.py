@@ -139,7 +139,7 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--per-iter", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"))
     ap.add_argument("--quick", action="store_true", help="1 warm-up batch, 2 iterations of 2 batches")
     ap.add_argument("--timeout", type=float, default=600)

@@ -163,3 +163,47 @@ def test_stretch_beside_compute_is_read_per_size():
     assert host.beside_compute("allreduce_fp32", 1e6, host.curves["allreduce_fp32"](1e6)) == (1.0, 0.0)
     assert stuck.beside_compute("allreduce_fp32", 1e6, host.curves["allreduce_fp32"](1e6))[0] == pytest.approx(1e3)
     assert host_step_seconds("fp32", "mlp", 32, stuck)["total"] == pytest.approx(flat, rel=1e-3)
+
+
+def test_codec_work_after_backward_slows_collectives_in_flight():
+    # a collective that barely moves beside compute cannot hide behind backward, nor behind the encodes and
+    # decodes synchronize() runs on the main thread: the step is then compute + codec + comm, in series
+    from dataclasses import replace
+
+    from benchmarks.perf_model import _params_of
+
+    host = _host(bandwidth=1e8, ready={n: 0.0 for n, _ in _params_of("mlp")})
+    sizes = [1e3, 1e6, 1e8]
+    cpu0 = {k: Curve([(b, 0.0) for b in sizes]) for k in host.curves}
+    same = replace(host, beside=dict(host.curves), cpu=cpu0)
+    stuck = replace(host, beside={k: Curve([(b, 1e3 * c(b)) for b in sizes]) for k, c in host.curves.items()},
+                    cpu=cpu0)
+    for method in ("terngrad", "terngrad:summed"):
+        free, slow = host_step_seconds(method, "mlp", 32, same), host_step_seconds(method, "mlp", 32, stuck)
+        assert slow["total"] > free["total"]
+        assert slow["total"] >= 0.99 * (slow["compute"] + slow["codec"] + slow["comm"])
+
+
+def test_validate_reads_each_sweep_against_its_own_calibration(tmp_path, capsys):
+    # two sweeps of the same (profile, N) cluster, calibrated on links 10x apart: each row must be predicted
+    # from its own sweep's calibration, not from whichever file came last
+    import json
+
+    from benchmarks.perf_model import main
+
+    def sweep(bandwidth, step):
+        per = [[e, e * 1e-9] for e in (1e5, 1e7)]
+        cal = {"profile": "p", "nodes": 2, "compute": {},
+               "codec": {t: {"encode": per, "decode": per} for t in ("allgather", "summed", "summed-int8", "fp16")},
+               "collectives": {k: {"points": [[b, 1e-3 + b / bandwidth] for b in (1e3, 1e6, 1e8)]}
+                               for k in ("allreduce_fp32", "allreduce_fp16", "allgather_u8", "allreduce_int8")}}
+        probe = {"step": 0.1, "forward": 0.03, "backward": 0.06, "ready": {}}
+        row = {"model": "mlp", "profile": "p", "nodes": 2, "method": "fp32", "compression": "fp32",
+               "batch_size": 32, "step_seconds": step, "compute_probe": probe}
+        return {"rows": [row], "calibration": [cal]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(sweep(1e8, 0.1 + 0.001 + 4 * 10_510_346 / 1e8)))
+    b.write_text(json.dumps(sweep(1e9, 0.1 + 0.001 + 4 * 10_510_346 / 1e9)))
+    assert main(["validate", str(a), str(b), "--no-overlap"]) == 0
+    assert "within +-15%: 2 of 2" in capsys.readouterr().out
