@@ -528,7 +528,7 @@ def main(argv=None):
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--calibration", nargs="*", default=None,
                    help="calibration JSON files (benchmarks/calibrate.py, or a sweep run with --calibrate); "
-                        "default: the 'calibration' entries of the sweep files")
+                        "they replace, for the clusters they cover, each sweep file's own 'calibration' entries")
     p.add_argument("--link-only", action="store_true",
                    help="the link-probe model: 1-worker compute scaled by N/cores, probed link bandwidth")
     p.add_argument("--no-overlap", action="store_true", help="start every collective after backward")
