@@ -346,15 +346,14 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         cost = curves[kind](nbytes)
         state["comm"] += cost
         chan = start + cost
+        r, f = host.beside_compute(kind, nbytes, cost)
         if start < state["bwd_end"]:
             # beside backward the call runs `stretch` times slower, and slows backward by `cpu_fraction`
-            r, f = host.beside_compute(kind, nbytes, cost)
             beside = min(cost * r, state["bwd_end"] - start)  # seconds of the call spent beside backward
             state["bwd_end"] += f * beside
             chan = start + beside + (cost - beside / r)
         for s0, s1 in sorted(stalls):  # main-thread codec work after backward slows the call the same way
             if s1 > start and s0 < chan:
-                r, _ = host.beside_compute(kind, nbytes, cost)
                 chan += (min(s1, chan) - max(s0, start)) * (1 - 1 / r)
         last_end = max(last_end, chan)
         if trace is not None:
