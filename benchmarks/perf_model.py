@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -177,27 +177,23 @@ class Host:
     compute: dict  # "model:batch" -> {"step": s, "backward": s}
     codec: dict  # transport -> {"encode": Curve, "decode": Curve} of seconds against bucket elements
     curves: dict  # collective kind -> Curve of seconds against bytes per worker
-    cpu_fraction: dict | None = None  # collective kind -> how much the call slows compute beside it (0..1)
-    stretch: dict | None = None  # collective kind -> its time beside compute / alone (>= 1)
-    beside: dict | None = None  # collective kind -> Curve of its seconds beside compute, against bytes
-    cpu: dict | None = None  # collective kind -> Curve of its cpu_fraction, against bytes
+    beside: dict = field(default_factory=dict)  # collective kind -> Curve of its seconds beside compute
+    cpu: dict = field(default_factory=dict)  # collective kind -> Curve of how much it slows compute (0..1)
 
     @classmethod
     def from_json(cls, cal: dict) -> Host:
         codec = {t: {k: Curve(pts, origin=True) for k, pts in v.items()} for t, v in cal["codec"].items()}
         colls = cal["collectives"]
         return cls(cal["nodes"], cal["compute"], codec, {k: Curve(v["points"]) for k, v in colls.items()},
-                   {k: v.get("cpu_fraction", 0.0) for k, v in colls.items()},
-                   {k: v.get("stretch_beside_compute", 1.0) for k, v in colls.items()},
                    {k: Curve(v["beside_compute_points"]) for k, v in colls.items() if "beside_compute_points" in v},
                    {k: Curve(v["cpu_fraction_points"]) for k, v in colls.items() if "cpu_fraction_points" in v})
 
     def beside_compute(self, kind: str, nbytes: float, alone: float) -> tuple[float, float]:
-        """(stretch, cpu_fraction) of a `kind` call of `nbytes` that takes `alone` seconds by itself: measured
-        at each calibrated size where the calibration has them, else those of its largest call."""
-        if self.beside and kind in self.beside:
-            return max(1.0, self.beside[kind](nbytes) / alone), min(1.0, max(0.0, self.cpu[kind](nbytes)))
-        return (self.stretch or {}).get(kind, 1.0), (self.cpu_fraction or {}).get(kind, 0.0)
+        """(stretch >= 1, cpu_fraction 0..1) of a `kind` call of `nbytes` that takes `alone` seconds by itself,
+        as measured at its size; a kind not measured beside compute neither slows nor is slowed."""
+        r = max(1.0, self.beside[kind](nbytes) / alone) if kind in self.beside else 1.0
+        f = min(1.0, max(0.0, self.cpu[kind](nbytes))) if kind in self.cpu else 0.0
+        return r, f
 
 
 FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold

@@ -121,7 +121,7 @@ def test_cpu_bound_communication_does_not_hide_behind_backward():
 
     early = {n: 0.0 for n, _ in _params_of("mlp")}
     host = _host(bandwidth=1e9, ready=early)
-    busy = replace(host, cpu_fraction={k: 1.0 for k in host.curves})
+    busy = replace(host, cpu={k: Curve([(1e3, 1.0), (1e8, 1.0)]) for k in host.curves})
     flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
     assert host_step_seconds("fp32", "mlp", 32, host)["total"] < flat - 0.02
     assert host_step_seconds("fp32", "mlp", 32, busy)["total"] == pytest.approx(flat, rel=1e-6)
