@@ -260,13 +260,14 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
                 state["decode_after"] = state.get("decode_after", 0.0) + d
                 t += c
             submit(t, kind, width * numel, fuse="average")
-        buckets = []
+        buckets, elems_of = [], []
     else:
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
         for i in floats:
             n, numel = params[i]
             submit(t_ready[n], "allreduce_fp32", 4 * numel, fuse="average")
         buckets = [[params[i] for i in g] for g in groups]
+        elems_of = [sum(e for _, e in members) for members in buckets]
 
         hooks = sorted(set(t_ready.values()))
 
@@ -277,7 +278,9 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
             return next((h + shift for h in hooks if h + shift >= t and h + shift < state["bwd_end"]),
                         max(t, state["bwd_end"]))
 
-        def after_scaler(b, elems):
+        def after_scaler(b):
+            elems = elems_of[b]
+
             def done(t):
                 t0 = max(next_poll(t), state["main_free"])
                 enc = codec["encode"](elems)
@@ -310,15 +313,14 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
             while state["decoded"] < len(buckets) and ("sent", state["decoded"]) in done_at:
                 b = state["decoded"]
                 t0 = max(state["bwd_end"], state["main_free"], done_at[("sent", b)])
-                dec = codec["decode"](sum(e for _, e in buckets[b]))
+                dec = codec["decode"](elems_of[b])
                 state["codec"] += dec
                 stalls.append((t0, t0 + dec))
                 state["main_free"] = t0 + dec
                 state["decoded"] += 1
 
         for b, members in enumerate(buckets):
-            elems = sum(e for _, e in members)
-            submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b, elems),
+            submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b),
                    fuse="max")
 
     chan = 0.0
@@ -359,8 +361,7 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
                 done(chan)
     t = max(state["bwd_end"], state["main_free"])
     if transport == "summed-int8":  # synchronize(): a blocking int8 sum, then the decode, per bucket
-        for b, members in enumerate(buckets):
-            elems = sum(e for _, e in members)
+        for b, elems in enumerate(elems_of):
             cost = curves["allreduce_int8"](elems)
             dec = codec["decode"](elems)
             state["comm"] += cost
