@@ -82,42 +82,61 @@ def slowest(v: list, mean: bool = False) -> float | list[float]:
     return res.tolist() if res.dim() else res.item()
 
 
-def measure_compute(name: str, batch: int, reps: int) -> dict:
-    """Forward, backward and SGD update of a fresh `name` model on every rank at once, no communication:
-    each step starts at a barrier and counts as its slowest rank. Also when, after backward starts, each
-    parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank calls it."""
-    import horovod.torch as hvd
-    import torch
-    import torch.nn.functional as F
+class ComputeProbe:
+    """Forward, backward and SGD update of a fresh model on every rank at once, no communication, one
+    step per call: each step starts at a barrier and counts as its slowest rank. Also when, after backward
+    starts, each parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank
+    makes the same calls. Its steps can be interleaved with a timed run (benchmarks/synthetic.py
+    --compute-probe), so that both see the machine at the same speed: on this machine a worker's compute
+    switches between two speeds for seconds at a time (AlexNet, fast, 2 nodes: backward 18 or 28 ms)."""
 
-    from benchmarks.synthetic import MODELS
+    def __init__(self, name: str, batch: int, warmup: int = 2):
+        import torch
 
-    torch.manual_seed(0)
-    model = MODELS[name]()
-    params = list(model.named_parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-    stamp = {}
-    for pname, prm in params:
-        prm.register_post_accumulate_grad_hook(
-            lambda _p, pname=pname, stamp=stamp: stamp.__setitem__(pname, time.perf_counter()))
-    steps, fwds, backs, ready = [], [], [], []
-    for i in range(reps + 2):
+        from benchmarks.synthetic import MODELS
+
+        torch.manual_seed(0)
+        self.model = MODELS[name]()
+        self.params = [pn for pn, _ in self.model.named_parameters()]
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.x, self.y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+        self.stamp: dict = {}
+        for pname, prm in self.model.named_parameters():
+            prm.register_post_accumulate_grad_hook(
+                lambda _p, pname=pname, stamp=self.stamp: stamp.__setitem__(pname, time.perf_counter()))
+        self.steps, self.fwds, self.backs, self.ready = [], [], [], []
+        for _ in range(warmup):
+            self.step(record=False)
+
+    def step(self, record: bool = True) -> None:
+        import horovod.torch as hvd
+        import torch.nn.functional as F
+
         hvd.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(self.x), self.y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        opt.step()
-        if i >= 2:
-            steps.append(time.perf_counter() - t0)
-            fwds.append(t1 - t0)
-            backs.append(t2 - t1)
-            ready.append([stamp[pn] - t1 for pn, _ in params])
-    return {"step": slowest(steps), "forward": slowest(fwds), "backward": slowest(backs),
-            "ready": dict(zip((pn for pn, _ in params), slowest(ready)))}
+        self.opt.step()
+        if record:
+            self.steps.append(time.perf_counter() - t0)
+            self.fwds.append(t1 - t0)
+            self.backs.append(t2 - t1)
+            self.ready.append([self.stamp[pn] - t1 for pn in self.params])
+
+    def result(self) -> dict:
+        return {"step": slowest(self.steps), "forward": slowest(self.fwds), "backward": slowest(self.backs),
+                "ready": dict(zip(self.params, slowest(self.ready)))}
+
+
+def measure_compute(name: str, batch: int, reps: int) -> dict:
+    """ComputeProbe's result over `reps` steps in a row, after two warm-up steps. Collective."""
+    probe = ComputeProbe(name, batch)
+    for _ in range(reps):
+        probe.step()
+    return probe.result()
 
 
 def _rank_main(args) -> None:
@@ -290,7 +309,7 @@ def main(argv=None):
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--compute-reps", type=int, default=8)
     ap.add_argument("--codec-reps", type=int, default=10)
-    ap.add_argument("--comm-reps", type=int, default=6)
+    ap.add_argument("--comm-reps", type=int, default=10)
     ap.add_argument("--beside-reps", type=int, default=3)
     args = ap.parse_args(argv)
     if args.rank_probe:

@@ -36,7 +36,7 @@ def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
             "--transport", transport or "allgather",
             "--batch-size", str(args.batch_size), "--num-warmup-batches", str(args.warmup),
             "--num-batches-per-iter", str(args.per_iter), "--num-iters", str(args.iters), "--iface", "eth0",
-            "--json", str(out), "--optimizer", args.optimizer] + (["--compute-probe", "6"] if args.calibrate else [])
+            "--json", str(out), "--optimizer", args.optimizer] + (["--compute-probe", "1"] if args.calibrate else [])
     t0 = time.perf_counter()
     res = cluster.run(argv, timeout=args.timeout)
     try:

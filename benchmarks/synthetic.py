@@ -160,7 +160,9 @@ def iface_bytes(iface: str | None) -> tuple[int, int]:
 
 def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iters: int, compression: str,
               optimizer: str = "hvd_terngrad", log=print, iface: str | None = None,
-              transport: str = "allgather") -> dict:
+              transport: str = "allgather", between=None) -> dict:
+    """Timed training steps: `iters` timings of `per_iter` steps each after `warmup` steps. between(), if
+    given, runs after each timing, outside it (every rank calls it)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
     if model_name not in MODELS:
@@ -183,6 +185,11 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     for _ in range(iters):
         t = timeit.timeit(step, number=per_iter)
         img_secs.append(batch_size * per_iter / t)
+        if between is not None:  # its traffic (barriers) is not the timed steps'
+            b0 = iface_bytes(iface)
+            between()
+            b1 = iface_bytes(iface)
+            tx0, rx0 = tx0 + b1[0] - b0[0], rx0 + b1[1] - b0[1]
         if tg is not None:
             last = tg.stats.last
             phases.append((last.time_encode, last.time_comm, last.time_decode))
@@ -221,23 +228,27 @@ def main(argv=None):
     ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")
     ap.add_argument("--compute-probe", type=int, default=0, metavar="K",
-                    help="first time K steps of the same model without communication (all workers at once), "
-                         "for benchmarks/perf_model.py validate")
+                    help="also time steps of the same model without communication (all workers at once), for "
+                         "benchmarks/perf_model.py validate: K after each timed iteration, outside its timing")
     args = ap.parse_args(argv)
     hvd.init()
     torch.set_num_threads(args.threads)
     if hvd.rank() == 0:
         print(f"Model: {args.model}, batch size: {args.batch_size}, compression: {args.compression}, "
               f"workers: {hvd.size()}")
-    probe = None
+    probe = between = None
     if args.compute_probe:
-        from benchmarks.calibrate import measure_compute
+        from benchmarks.calibrate import ComputeProbe
 
-        probe = measure_compute(args.model, args.batch_size, args.compute_probe)
+        probe = ComputeProbe(args.model, args.batch_size)
+
+        def between():
+            for _ in range(args.compute_probe):
+                probe.step()
     r = benchmark(args.model, args.batch_size, args.num_warmup_batches, args.num_batches_per_iter, args.num_iters,
-                  args.compression, args.optimizer, iface=args.iface, transport=args.transport)
+                  args.compression, args.optimizer, iface=args.iface, transport=args.transport, between=between)
     if probe is not None:
-        r["compute_probe"] = probe
+        r["compute_probe"] = probe.result()
     if hvd.rank() == 0:
         print(f"Img/sec per worker: {r['img_sec_per_worker']:.1f} +-{r['img_sec_conf']:.1f}")
         conf_total = r["img_sec_conf"] * hvd.size()
