@@ -71,13 +71,16 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- rank side
-def slowest(v: list, mean: bool = False) -> float | list[float]:
+def slowest(v: list, mean: bool = False, per_step: bool = False) -> float | list:
     """Median (or mean) over steps of the slowest rank's time (a synchronous step waits for it); v holds one
-    value or one list of values per step. Collective: every rank calls it."""
+    value or one list of values per step. per_step: the slowest rank's values, step by step, instead.
+    Collective: every rank calls it."""
     import horovod.torch as hvd
     import torch
 
     allv = hvd.allgather(torch.tensor([v], dtype=torch.float64), name="cal.slowest").max(dim=0).values
+    if per_step:
+        return allv.tolist()
     res = allv.mean(dim=0) if mean else allv.median(dim=0).values
     return res.tolist() if res.dim() else res.item()
 
@@ -126,9 +129,13 @@ class ComputeProbe:
             self.backs.append(t2 - t1)
             self.ready.append([self.stamp[pn] - t1 for pn in self.params])
 
-    def result(self) -> dict:
-        return {"step": slowest(self.steps), "forward": slowest(self.fwds), "backward": slowest(self.backs),
-                "ready": dict(zip(self.params, slowest(self.ready)))}
+    def result(self, mean: bool = False) -> dict:
+        """Median (or mean, to set against a mean step time) over steps of the slowest rank's times, and
+        each step's slowest time."""
+        out = {"step": slowest(self.steps, mean), "forward": slowest(self.fwds, mean),
+               "backward": slowest(self.backs, mean), "ready": dict(zip(self.params, slowest(self.ready, mean)))}
+        out["step_samples"] = slowest(self.steps, per_step=True)
+        return out
 
 
 def measure_compute(name: str, batch: int, reps: int) -> dict:
@@ -309,7 +316,7 @@ def main(argv=None):
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--compute-reps", type=int, default=8)
     ap.add_argument("--codec-reps", type=int, default=10)
-    ap.add_argument("--comm-reps", type=int, default=10)
+    ap.add_argument("--comm-reps", type=int, default=16)
     ap.add_argument("--beside-reps", type=int, default=3)
     args = ap.parse_args(argv)
     if args.rank_probe:

@@ -40,10 +40,15 @@ def test_two_node_smoke_run_over_a_shaped_link(tmp_path):
             out = tmp_path / "r.jsonl"
             res = c.run([sys.executable, "benchmarks/synthetic.py", "--model", "tiny", "--compression", "terngrad",
                          "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2",
-                         "--iface", "eth0", "--json", str(out)], timeout=120)
+                         "--iface", "eth0", "--json", str(out), "--compute-probe", "1"], timeout=120)
             assert res.returncode == 0, res.stdout[-3000:]
             row = json.loads(out.read_text())
             assert row["workers"] == 2 and row["img_sec_total"] > 0
+            # the compute probe took its steps between the timed iterations
+            cp = row["compute_probe"]
+            assert 0 < cp["forward"] + cp["backward"] <= cp["step"]
+            assert set(cp["ready"]) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
+            assert all(0 < t <= cp["backward"] * 1.01 for t in cp["ready"].values())
             # the codes crossed the shaped link: at least the allgathered records of the coded tensor
             assert row["wire_tx_per_step"] >= row["bytes_per_step"] * 0.5
         assert not (mine & _namespaces())  # cleaned up
