@@ -91,9 +91,14 @@ class ComputeProbe:
     starts, each parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank
     makes the same calls. Its steps can be interleaved with a timed run (benchmarks/synthetic.py
     --compute-probe), so that both see the machine at the same speed: on this machine a worker's compute
-    switches between two speeds for seconds at a time (AlexNet, fast, 2 nodes: backward 18 or 28 ms)."""
+    switches between two speeds for seconds at a time (AlexNet, fast, 2 nodes: backward 18 or 28 ms).
 
-    def __init__(self, name: str, batch: int, warmup: int = 2):
+    casts=True also times, after backward and outside the step's time, Horovod's Compression.fp16 on every
+    gradient as training does it: a cast to fp16 of each, then a cast back set into p.grad. With
+    training's allocations these casts cost 3-4x what the same casts cost on reused buffers (AlexNet: 4.5
+    and 10 ms a step, against 2 and 2), as fresh pages fault in."""
+
+    def __init__(self, name: str, batch: int, warmup: int = 2, casts: bool = False):
         import torch
 
         from benchmarks.synthetic import MODELS
@@ -107,7 +112,8 @@ class ComputeProbe:
         for pname, prm in self.model.named_parameters():
             prm.register_post_accumulate_grad_hook(
                 lambda _p, pname=pname, stamp=self.stamp: stamp.__setitem__(pname, time.perf_counter()))
-        self.steps, self.fwds, self.backs, self.ready = [], [], [], []
+        self.casts = casts
+        self.steps, self.fwds, self.backs, self.ready, self.enc, self.dec = [], [], [], [], [], []
         for _ in range(warmup):
             self.step(record=False)
 
@@ -122,12 +128,31 @@ class ComputeProbe:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        cast = 0.0
+        if self.casts:
+            import torch
+
+            grads = [p.grad for p in self.model.parameters()]
+            enc, dec, halves = [], [], []
+            for g in grads:
+                c0 = time.perf_counter()
+                halves.append(g.type(torch.float16))
+                enc.append(time.perf_counter() - c0)
+            for g, h in zip(grads, halves):
+                c0 = time.perf_counter()
+                g.set_(h.type(torch.float32))
+                dec.append(time.perf_counter() - c0)
+            del grads, halves
+            cast = time.perf_counter() - t2
         self.opt.step()
         if record:
-            self.steps.append(time.perf_counter() - t0)
+            self.steps.append(time.perf_counter() - t0 - cast)
             self.fwds.append(t1 - t0)
             self.backs.append(t2 - t1)
             self.ready.append([self.stamp[pn] - t1 for pn in self.params])
+            if self.casts:
+                self.enc.append(enc)
+                self.dec.append(dec)
 
     def result(self, mean: bool = False) -> dict:
         """Median (or mean, to set against a mean step time) over steps of the slowest rank's times, and
@@ -135,6 +160,9 @@ class ComputeProbe:
         out = {"step": slowest(self.steps, mean), "forward": slowest(self.fwds, mean),
                "backward": slowest(self.backs, mean), "ready": dict(zip(self.params, slowest(self.ready, mean)))}
         out["step_samples"] = slowest(self.steps, per_step=True)
+        if self.casts:  # seconds per gradient: the cast to fp16 (in the hook) and back (in synchronize)
+            out["fp16_casts"] = {"encode": dict(zip(self.params, slowest(self.enc, mean))),
+                                 "decode": dict(zip(self.params, slowest(self.dec, mean)))}
         return out
 
 

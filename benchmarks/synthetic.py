@@ -240,7 +240,7 @@ def main(argv=None):
     if args.compute_probe:
         from benchmarks.calibrate import ComputeProbe
 
-        probe = ComputeProbe(args.model, args.batch_size)
+        probe = ComputeProbe(args.model, args.batch_size, casts=args.compression == "fp16")
 
         def between():
             for _ in range(args.compute_probe):
