@@ -132,7 +132,7 @@ class ComputeProbe:
         if self.casts:
             import torch
 
-            grads = [p.grad for p in self.model.parameters()]
+            grads = [p.grad for p in self.model.parameters()][::-1]  # in backward's order, as the hooks run
             enc, dec, halves = [], [], []
             for g in grads:
                 c0 = time.perf_counter()
@@ -143,6 +143,7 @@ class ComputeProbe:
                 g.set_(h.type(torch.float32))
                 dec.append(time.perf_counter() - c0)
             del grads, halves
+            enc, dec = enc[::-1], dec[::-1]
             cast = time.perf_counter() - t2
         self.opt.step()
         if record:
@@ -161,9 +162,21 @@ class ComputeProbe:
                "backward": slowest(self.backs, mean), "ready": dict(zip(self.params, slowest(self.ready, mean)))}
         out["step_samples"] = slowest(self.steps, per_step=True)
         if self.casts:  # seconds per gradient: the cast to fp16 (in the hook) and back (in synchronize)
-            out["fp16_casts"] = {"encode": dict(zip(self.params, slowest(self.enc, mean))),
-                                 "decode": dict(zip(self.params, slowest(self.dec, mean)))}
+            out["fp16_casts"] = {"encode": self._split(self.enc, mean), "decode": self._split(self.dec, mean)}
         return out
+
+    def _split(self, per_step: list, mean: bool) -> dict:
+        """The slowest rank's total per step, split over the gradients by their average shares. (The sum of
+        each gradient's slowest time would add up every rank's worst moments: with two ranks on a core, a
+        time slice lands in some rank's cast of almost every gradient.)"""
+        import horovod.torch as hvd
+        import torch
+
+        total = slowest([sum(v) for v in per_step], mean)
+        avg = hvd.allreduce(torch.tensor(per_step, dtype=torch.float64).mean(dim=0), op=hvd.Average,
+                            name="cal.casts").tolist()
+        whole = sum(avg) or 1.0
+        return {pn: total * a / whole for pn, a in zip(self.params, avg)}
 
 
 def measure_compute(name: str, batch: int, reps: int) -> dict:

@@ -184,6 +184,35 @@ def test_codec_work_after_backward_slows_collectives_in_flight():
         assert slow["total"] >= 0.99 * (slow["compute"] + slow["codec"] + slow["comm"])
 
 
+def test_fp16_casts_come_from_the_probe_and_a_result_is_cast_back_while_later_calls_run():
+    # Compression.fp16: cast in the hook, cast back in synchronize() as each result arrives. The job's probe
+    # times the casts with training's allocations; the calibration's curves are only the fallback.
+    from benchmarks.perf_model import _params_of
+
+    params = _params_of("mlp")  # net.1 6.3 M, net.3 4.2 M, net.5 20 K elements (+ biases)
+    ready = {n: 0.06 if n.startswith("net.1") else 0.03 if n.startswith("net.3") else 0.0 for n, _ in params}
+    host = _host(bandwidth=1e8, ready=ready)
+    host.codec["fp16"] = host.codec["allgather"]  # 1 ns per element each way
+    numel = sum(e for _, e in params)
+    assert host_step_seconds("fp16", "mlp", 32, host)["codec"] == pytest.approx(2 * numel * 1e-9, rel=1e-6)
+
+    def casts(slow: str | None):
+        return {"encode": {n: 0.0 for n, _ in params}, "decode": {n: 0.02 if n == slow else 0.0 for n, _ in params}}
+
+    def total(slow):
+        st = host_step_seconds("fp16", "mlp", 32, host, compute={**host.compute["mlp:32"], "fp16_casts": casts(slow)})
+        return st["total"], st["codec"]
+
+    t0, c0 = total(None)
+    assert c0 == 0.0
+    # net.3's result arrives while net.1's call (the last) is still in flight: casting it back costs nothing
+    t3, c3 = total("net.3.weight")
+    assert c3 == pytest.approx(0.02) and t3 == pytest.approx(t0, abs=1e-9)
+    # the last call's result can only be cast back after it
+    t1, c1 = total("net.1.weight")
+    assert t1 == pytest.approx(t0 + 0.02, rel=1e-9)
+
+
 def test_validate_reads_each_sweep_against_its_own_calibration(tmp_path, capsys):
     # two sweeps of the same (profile, N) cluster, calibrated on links 10x apart: each row must be predicted
     # from its own sweep's calibration, not from whichever file came last
