@@ -8,12 +8,15 @@ On every (profile, N) cluster, one job of N ranks measures:
   step started by a barrier and timed as its slowest rank, as a synchronous step is; and when, within
   backward, each parameter's gradient is ready (the moment a Horovod hook could send it). The N
   emulated nodes share this machine's cores, so this is the compute time a worker of that cluster sees;
-  on a real cluster it equals the 1-worker time (benchmarks/perf_model.py measure).
+  on a real cluster it equals the 1-worker time (benchmarks/perf_model.py measure). Each sweep job also
+  takes such steps between its timed iterations (synthetic.py --compute-probe, ComputeProbe), and the
+  model uses those: this machine's speed moves between jobs. An fp16 job's probe also times
+  Compression.fp16's casts of every gradient, with training's allocations.
 - codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
   16M elements, for each transport, all ranks at once; and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
-  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five or six payload sizes, each a large and
-  a small tensor fused into one call as in training, with nothing else running. Each is fitted to
+  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five or six payload sizes, 16 calls
+  each, each a large and a small tensor fused into one call as in training, with nothing else running. Each is fitted to
   t = a + x / B, where x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes,
   allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a is the per-call latency and B
   the effective bandwidth the link, MPI and the host's TCP stack together give;

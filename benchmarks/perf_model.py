@@ -400,7 +400,7 @@ def validate_host(sweep: dict, hosts: dict, overlap: bool = True) -> list[dict]:
     out = []
     for r in sweep["rows"]:
         host = hosts.get((r["profile"], r["nodes"]))
-        probe = r.get("compute_probe")  # measured by the same job just before its timed steps
+        probe = r.get("compute_probe")  # measured by the same job between its timed iterations
         if host is None or (probe is None and f"{r['model']}:{r['batch_size']}" not in host.compute):
             continue
         method = r.get("method") or r["compression"]
