@@ -247,6 +247,16 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
     stalls: list[tuple[float, float]] = []  # main-thread codec work after backward
     done_at: dict = {}
 
+    def in_order(costs: list[float]) -> None:
+        """synchronize() takes the results in order (done_at[("sent", k)]): each, once it has arrived and
+        the main thread is free, costs costs[k] of main-thread work beside the collectives still in flight."""
+        while state["decoded"] < len(costs) and ("sent", state["decoded"]) in done_at:
+            k = state["decoded"]
+            t0 = max(state["bwd_end"], state["main_free"], done_at[("sent", k)])
+            stalls.append((t0, t0 + costs[k]))
+            state["main_free"] = t0 + costs[k]
+            state["decoded"] += 1
+
     if not method.startswith("terngrad"):
         width = 4 if method == "fp32" else 2
         kind = "allreduce_fp32" if method == "fp32" else "allreduce_fp16"
@@ -254,19 +264,12 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         # the job's own probe times the casts with training's allocations (fresh pages fault in); the
         # calibration's curves, on reused buffers, are the fallback
         casts = comp.get("fp16_casts") if method == "fp16" else None
-        order, decs = [], []  # synchronize() takes the handles in the order the hooks made them
+        decs = []  # synchronize() takes the handles in the order the hooks made them, and casts each back
 
         def cast_back(i):
             def done(t):
                 done_at[("sent", i)] = t
-                # synchronize() casts each result back as soon as it has it and the main thread is free:
-                # main-thread work beside the calls still in flight
-                while state["decoded"] < len(order) and ("sent", state["decoded"]) in done_at:
-                    k = state["decoded"]
-                    t0 = max(state["bwd_end"], state["main_free"], done_at[("sent", k)])
-                    stalls.append((t0, t0 + decs[k]))
-                    state["main_free"] = t0 + decs[k]
-                    state["decoded"] += 1
+                in_order(decs)
             return done
 
         for n, numel in sorted(params, key=lambda q: t_ready[q[0]]):
@@ -280,9 +283,8 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
                 state["bwd_end"] += c
                 state["codec"] += c + d
                 t += c
-            order.append(n)
             decs.append(d)
-            submit(t, kind, width * numel, cast_back(len(order) - 1), fuse="average")
+            submit(t, kind, width * numel, cast_back(len(decs) - 1), fuse="average")
         buckets, elems_of = [], []
     else:
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
@@ -331,17 +333,12 @@ def host_step_seconds(method: str, model: str, batch: int, host: Host, overlap: 
         def drain():
             """synchronize() encodes every bucket, then decodes them in order as their codes arrive: each decode
             is main-thread work beside the collectives still in flight."""
-            if transport == "summed-int8" or any(("encoded", b) not in done_at for b in range(len(buckets))):
-                return
-            while state["decoded"] < len(buckets) and ("sent", state["decoded"]) in done_at:
-                b = state["decoded"]
-                t0 = max(state["bwd_end"], state["main_free"], done_at[("sent", b)])
-                dec = codec["decode"](elems_of[b])
-                state["codec"] += dec
-                stalls.append((t0, t0 + dec))
-                state["main_free"] = t0 + dec
-                state["decoded"] += 1
+            if transport != "summed-int8" and all(("encoded", b) in done_at for b in range(len(buckets))):
+                in_order(decodes)
 
+        decodes = [codec["decode"](e) for e in elems_of]
+        if transport != "summed-int8":  # (its decodes follow its blocking sums, below)
+            state["codec"] += sum(decodes)
         for b, members in enumerate(buckets):
             submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", 16 * len(members), after_scaler(b),
                    fuse="max")
