@@ -185,11 +185,10 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     for _ in range(iters):
         t = timeit.timeit(step, number=per_iter)
         img_secs.append(batch_size * per_iter / t)
-        if between is not None:  # its traffic (barriers) is not the timed steps'
-            b0 = iface_bytes(iface)
+        if between is not None:
+            # its barriers add a few hundred bytes to the wire counts; leaving out what crosses the wire
+            # meanwhile would also leave out the tail of the last step, still in the kernel's socket buffers
             between()
-            b1 = iface_bytes(iface)
-            tx0, rx0 = tx0 + b1[0] - b0[0], rx0 + b1[1] - b0[1]
         if tg is not None:
             last = tg.stats.last
             phases.append((last.time_encode, last.time_comm, last.time_decode))
