@@ -10,12 +10,18 @@ The codec (hvd_terngrad.codec), the options (TernGradConfig) and the engine impo
 TernGrad and DistributedOptimizer import horovod.torch when first used.
 """
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.engine import NonFiniteGradientError, PayloadMismatchError, TernGradEngine, TernGradError
+from hvd_terngrad.engine import (
+    CollectiveTimeoutError,
+    NonFiniteGradientError,
+    PayloadMismatchError,
+    TernGradEngine,
+    TernGradError,
+)
 from hvd_terngrad.stats import StepStats
 
 __version__ = "0.1.0"
 __all__ = ["TernGrad", "DistributedOptimizer", "TernGradConfig", "TernGradEngine", "StepStats", "TernGradError",
-           "NonFiniteGradientError", "PayloadMismatchError"]
+           "NonFiniteGradientError", "PayloadMismatchError", "CollectiveTimeoutError"]
 
 
 def __getattr__(name):

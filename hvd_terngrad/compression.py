@@ -5,9 +5,12 @@
 
 How it fits the stock optimizer: Horovod calls compress(grad) in the backward hook and allreduces what
 it returns, then calls decompress(output, ctx) in synchronize(). compress() therefore shares the scaler
-(a blocking Max allreduce of 16 bytes), ternarizes and packs the gradient and starts an allgather of the
-packed record itself; it hands Horovod a 1-element placeholder to allreduce. decompress() waits for the
-allgather and decodes the average. Small or excluded tensors pass through unchanged (plain average).
+(a blocking Max allreduce of 16 bytes), ternarizes the gradient and starts the collective that carries the
+codes itself (an allgather of the packed record, or a Sum of the code values); it hands Horovod a 1-element
+placeholder to allreduce. decompress() waits for that collective, at most timeout_s like every wait of
+TernGrad's, and decodes the average. Small or excluded tensors pass through unchanged (plain average). A
+sparse gradient (sparse_as_dense=False) never reaches compress(): Horovod averages it itself and
+decompress(output, None) returns that average as it is, like Compression.none.
 
 Trade-off against hvd_terngrad.DistributedOptimizer: the stock path blocks the backward pass once per
 tensor for the scaler and sends one allgather per tensor; the hvd_terngrad optimizer shares the scalers
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 
+import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
@@ -34,17 +38,13 @@ def resolve_transport(transport: str, numel: int, size: int, int8: bool) -> str:
 
 
 class _Coded:
-    __slots__ = ("handle", "items")
+    """A coded tensor in flight: its collective ("allgather" or "summed") and the engine's items."""
 
-    def __init__(self, handle, items: list[Item]):
+    __slots__ = ("kind", "handle", "items")
+
+    def __init__(self, kind: str, handle, items: list[Item]):
+        self.kind = kind
         self.handle = handle
-        self.items = items
-
-
-class _Summed:
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[Item]):
         self.items = items
 
 
@@ -66,7 +66,7 @@ class TernGrad(Compressor):
             raise ValueError("pass either config= or keyword options, not both")
         self.config = config if config is not None else TernGradConfig(**options)
         self._named = list(named_parameters) if named_parameters is not None else None
-        self._process_set = process_set
+        self._process_set = process_set  # None: not chosen yet (the global set, or the optimizer's)
         self._engine: TernGradEngine | None = None
         self._transport: HorovodTransport | None = None
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
@@ -74,14 +74,36 @@ class TernGrad(Compressor):
         self._done = 0
 
     # ------------------------------------------------------------------------------------------
+    def bind(self, named_parameters: list, process_set) -> None:
+        """Tie this compressor to an optimizer's parameter names and process set (hvd_terngrad's optimizer
+        calls this). Names given to TernGrad itself win; a different process set is a ValueError, since the
+        two would wait on each other's collectives forever."""
+        if self._named is None:
+            self._named = list(named_parameters)
+        mine = self._transport.process_set if self._transport is not None else self._process_set
+        if mine is None:
+            self._process_set = process_set
+        elif _ps_id(mine) != _ps_id(process_set):
+            raise ValueError(f"the TernGrad compressor works on {_ps_str(mine)} but the optimizer on "
+                             f"{_ps_str(process_set)}: pass the same process_set= to both")
+
     @property
     def engine(self) -> TernGradEngine:
         if self._engine is None:
-            t = HorovodTransport(self._process_set)
+            t = HorovodTransport(self._process_set, timeout_s=self.config.timeout_s)
+            if _ps_id(t.process_set) != 0 and not t.process_set.included():
+                raise ValueError(f"rank {hvd.rank()} is not in {_ps_str(t.process_set)}, the TernGrad compressor's: "
+                                 f"pass the optimizer's process_set= to TernGrad")
             self._engine = TernGradEngine(self.config, t.rank, t.size)
             t.stats = self._engine.stats
             self._transport = t
         return self._engine
+
+    @property
+    def transport(self) -> HorovodTransport:
+        """The collectives this compressor's engine uses (created with the engine)."""
+        self.engine  # noqa: B018  (creates both)
+        return self._transport
 
     @property
     def stats(self):
@@ -96,6 +118,11 @@ class TernGrad(Compressor):
                 hit = self._by_grad.get(id(tensor))
             if hit is not None:
                 return hit[0]
+            # sparse_as_dense=True: Horovod hands over a dense copy of a sparse gradient
+            dense_of = [n for n, p in self._named
+                        if p.grad is not None and p.grad.is_sparse and p.grad.shape == tensor.shape]
+            if len(dense_of) == 1:
+                return dense_of[0]
             warnings.warn("hvd_terngrad.TernGrad got a tensor that is no parameter's .grad; naming it by order",
                           stacklevel=3)
         return f"tensor.{self._calls}"
@@ -120,27 +147,30 @@ class TernGrad(Compressor):
             return tensor, _PASS
         items = [eng.prepare(name, tensor)]
         if self.config.share_scaler:
-            reduced = self._transport.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}")
+            reduced = self._transport.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}",
+                                                    what=f"the scaler Max allreduce of {name!r}")
             eng.apply_shared(items, reduced)
             eng.raise_nonfinite(items)
         if resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False) == "summed":
-            # The stock optimizer averages what compress() returns; decompress() turns it back into sums.
-            return eng.encode_values(items, torch.float16), _Summed(items)
-        payload = eng.encode(items, device=tensor.device)
-        handle = self._transport.allgather_async(payload, name=f"terngrad.codes.{name}")
-        return torch.zeros(1, dtype=torch.float32, device=tensor.device), _Coded(handle, items)
+            values = eng.encode_values(items, torch.float16)  # exact integer sums in fp16 for N <= 2048
+            ctx = _Coded("summed", self._transport.sum_async_(values, name=f"terngrad.sum.{name}"), items)
+        else:
+            payload = eng.encode(items, device=tensor.device)
+            ctx = _Coded("allgather", self._transport.allgather_async(payload, name=f"terngrad.codes.{name}"), items)
+        return torch.zeros(1, dtype=torch.float32, device=tensor.device), ctx
 
     def decompress(self, tensor: torch.Tensor, ctx):
+        if ctx is None:  # a sparse gradient: Horovod averaged it without calling compress()
+            return tensor
         try:
             if ctx is _PASS:
                 return tensor
             eng = self.engine
-            if isinstance(ctx, _Summed):
-                # Horovod averaged the fp16 code values: N * average, rounded, is the exact integer sum
-                # (the fp16 error of the average is below 0.5 / N for N < 1024).
-                (avg,) = eng.decode_sums(ctx.items, torch.round(tensor.float() * eng.size))
+            what = f"the code {ctx.kind} of {ctx.items[0].name!r}"
+            if ctx.kind == "summed":
+                (avg,) = eng.decode_sums(ctx.items, self._transport.wait(ctx.handle, what))
             else:
-                (avg,) = eng.decode(ctx.items, self._transport.wait(ctx.handle))
+                (avg,) = eng.decode(ctx.items, self._transport.wait(ctx.handle, what))
             eng.raise_nonfinite(ctx.items)
             it = ctx.items[0]
             return avg.view(it.shape).to(it.dtype)
@@ -149,3 +179,14 @@ class TernGrad(Compressor):
             if self._done == self._calls:  # the stock synchronize() compresses everything before decoding
                 self._calls = self._done = 0
                 self.engine.next_step()
+
+
+def _ps_id(process_set) -> int:
+    """A process set's id; 0 is Horovod's global set (also when given as None)."""
+    return 0 if process_set is None else process_set.process_set_id
+
+
+def _ps_str(process_set) -> str:
+    if _ps_id(process_set) == 0:
+        return "the global process set"
+    return f"process set {process_set.process_set_id} (ranks {process_set.ranks})"

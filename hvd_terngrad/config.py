@@ -36,6 +36,9 @@ class TernGradConfig:
     on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
         (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
+    timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank
+        raises CollectiveTimeoutError naming the tensor (summed-int8, whose MPI call cannot be cancelled,
+        aborts the job instead). It must cover the slowest rank's lag in reaching a step, not only the transfer.
     """
 
     clip: float = 2.5
@@ -48,6 +51,7 @@ class TernGradConfig:
     transport: str = "allgather"
     on_nonfinite: str = "raise"
     num_threads: int | None = None
+    timeout_s: float = 300.0
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -70,6 +74,9 @@ class TernGradConfig:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be None or an integer >= 1, got {self.num_threads!r}")
+        if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
+                or not np.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         for pat in self.exclude:
             if not isinstance(pat, str):
                 raise ValueError(f"exclude holds parameter-name patterns (str), got {pat!r}")

@@ -34,6 +34,10 @@ class PayloadMismatchError(TernGradError, wire.PayloadMismatch):
     """Ranks sent records that do not belong together."""
 
 
+class CollectiveTimeoutError(TernGradError):
+    """A collective of TernGrad's did not complete within timeout_s: a peer never joined it."""
+
+
 @dataclass
 class Item:
     """One tensor of one step on this rank."""

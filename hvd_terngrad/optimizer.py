@@ -8,6 +8,10 @@ What it does that the stock optimizer with compression=TernGrad(...) cannot:
   bucket's allgather as soon as it is done, overlapping coding and communication with the backward pass.
 - It owns the step, so on_nonfinite="skip" can skip the update on every rank.
 
+A sparse gradient (an nn.Embedding(sparse=True), say) passes through uncoded, averaged as Horovod averages
+it (an allgather of its indices and values), and leaves its bucket to the dense tensors; with
+sparse_as_dense=True it is coded as a dense tensor and handed back sparse, as Horovod does.
+
 Results equal the stock path bit for bit for the same seed and names (the codes of a tensor depend only on
 seed, step, rank, tensor name and the shared scaler). With one rank, like the stock optimizer, it does not
 touch the gradients.
@@ -47,7 +51,8 @@ def plan_buckets(params: list[tuple[str, int, int]], cfg, bucket_bytes: int) -> 
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "items", "state", "scaler_handle", "gather_handle", "kind", "values")
+    __slots__ = ("index", "params", "ready", "coded", "items", "state", "scaler_handle", "gather_handle", "kind",
+                 "values")
 
     def __init__(self, index: int, params: list):
         self.index = index
@@ -56,6 +61,7 @@ class _Bucket:
 
     def reset(self):
         self.ready = set()
+        self.coded = []  # the params coded this step, in bucket order: those whose gradient is not sparse
         self.items: list[Item] = []
         self.state = "idle"  # idle -> scaler -> gather -> idle
         self.scaler_handle = None
@@ -66,7 +72,7 @@ class _Bucket:
 
 class _TernGradOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression: TernGrad, backward_passes_per_step, process_set,
-                 bucket_bytes):
+                 bucket_bytes, sparse_as_dense):
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
@@ -89,11 +95,11 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
 
         self._tg = compression
-        if compression._named is None:
-            compression._named = named
+        compression.bind(named, process_set)
         self._engine = compression.engine
-        self._transport = compression._transport
+        self._transport = compression.transport
         self._cfg = compression.config
+        self._sparse_as_dense = sparse_as_dense
         in_opt = {id(p) for p in all_params}
         self._named = [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad]
         self._name_of = {p: n for n, p in self._named}
@@ -110,6 +116,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._bucket_of[p] = b
 
         self._float_handles = {}
+        self._sparse_handles = {}
+        self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
         self._skip_next_step = False
         self._synchronized = False
@@ -119,10 +127,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             self._register_hooks()
 
     # ------------------------------------------------------------------------------------------
-    @property
-    def terngrad_stats(self):
-        return self._engine.stats
-
     def _register_hooks(self):
         for _, p in self._named:
             p_tmp = p.expand_as(p)
@@ -141,26 +145,53 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._progress()
         return hook
 
+    def _grad(self, p) -> torch.Tensor:
+        """The dense gradient that is coded or averaged: p.grad, or the dense copy of a sparse one."""
+        return self._densified.get(p, p.grad)
+
     def _ready(self, p):
         self._fired.add(p)
         name = self._name_of[p]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        self._engine.check_dtype(name, p.grad)
         b = self._bucket_of.get(p)
+        if p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                self._send_sparse(p, name)
+                if b is not None:
+                    self._bucket_member_ready(b, p)
+                return
+            self._densified[p] = p.grad.to_dense()
+        self._engine.check_dtype(name, self._grad(p))
         if b is None:
-            self._engine.stats.add_float(p.grad.numel() * p.grad.element_size(), self._engine.size)
-            self._float_handles[p] = self._transport.average_async_(p.grad, name=f"terngrad.float.{name}")
+            g = self._grad(p)
+            self._engine.stats.add_float(g.numel() * g.element_size(), self._engine.size)
+            self._float_handles[p] = self._transport.average_async_(g, name=f"terngrad.float.{name}")
             return
+        self._bucket_member_ready(b, p)
+
+    def _send_sparse(self, p, name: str):
+        g = p.grad
+        self._engine.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
+                                     self._engine.size)
+        self._sparse_handles[p] = self._transport.sparse_average_async(g, name=f"terngrad.sparse.{name}")
+
+    def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
-        if len(b.ready) == len(b.params):
-            b.items = [self._engine.prepare(self._name_of[q], q.grad) for q in b.params]
-            if self._cfg.share_scaler:
-                b.scaler_handle = self._transport.max_allreduce_async(self._engine.scaler_vector(b.items),
-                                                                      name=f"terngrad.scalers.{b.index}")
-                b.state = "scaler"
-            else:
-                self._send(b)
+        if len(b.ready) < len(b.params):
+            return
+        # every rank has the same sparse gradients, so every rank codes the same members; if not, the scaler
+        # vector's tags (or the payload headers) tell, on every rank
+        b.coded = [q for q in b.params if q not in self._sparse_handles]
+        if not b.coded:
+            return
+        b.items = [self._engine.prepare(self._name_of[q], self._grad(q)) for q in b.coded]
+        if self._cfg.share_scaler:
+            b.scaler_handle = self._transport.max_allreduce_async(self._engine.scaler_vector(b.items),
+                                                                  name=f"terngrad.scalers.{b.index}")
+            b.state = "scaler"
+        else:
+            self._send(b)
 
     def _send(self, b: _Bucket, reduced=None):
         if reduced is not None:
@@ -180,7 +211,12 @@ class _TernGradOptimizer(torch.optim.Optimizer):
     def _progress(self):
         for b in self._buckets:
             if b.state == "scaler" and self._transport.poll(b.scaler_handle):
-                self._send(b, self._transport.wait(b.scaler_handle))
+                self._send(b, self._transport.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
+
+    def _what(self, collective: str, b: _Bucket) -> str:
+        """A bucket's collective in an error: named by its first tensor, the one a user can look for."""
+        more = f" and {len(b.items) - 1} more" if len(b.items) > 1 else ""
+        return f"the {collective} of bucket {b.index} ({b.items[0].name!r}{more})"
 
     # ------------------------------------------------------------------------------------------
     def synchronize(self):
@@ -193,32 +229,29 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._ready(p)
             for b in self._buckets:
                 if b.state == "scaler":
-                    self._send(b, self._transport.wait(b.scaler_handle))
+                    self._send(b, self._transport.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
             bad: list[Item] = []
             for b in self._buckets:
-                # decode straight into fp32 gradients; other dtypes are converted below
-                direct = [p.grad.view(-1) if p.grad.dtype == torch.float32 and p.grad.is_contiguous() else None
-                          for p in b.params]
-                if b.kind == "allgather":
-                    outs = self._engine.decode(b.items, self._transport.wait(b.gather_handle), outs=direct)
-                elif b.kind == "summed":
-                    outs = self._engine.decode_sums(b.items, self._transport.wait(b.gather_handle), outs=direct)
-                else:
-                    summed = self._transport.int8_sum_(b.values, what=f"bucket {b.index} ({b.items[0].name!r}, ...)")
-                    outs = self._engine.decode_sums(b.items, summed, outs=direct)
-                bad += self._engine.nonfinite(b.items)
-                for p, out in zip(b.params, outs):
-                    if out.data_ptr() != p.grad.data_ptr():
-                        p.grad.copy_(out.view(p.grad.shape))
+                if b.items:
+                    bad += self._finish_bucket(b)
             float_bad = []
-            for p, h in self._float_handles.items():
-                self._transport.wait(h)
-                if not bool(torch.isfinite(p.grad).all()):
+            for p, h in self._sparse_handles.items():
+                avg = self._transport.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
+                p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
+                if not bool(torch.isfinite(avg._values()).all()):
                     float_bad.append(self._name_of[p])
+            for p, h in self._float_handles.items():
+                self._transport.wait(h, f"the float average of {self._name_of[p]!r}")
+                if not bool(torch.isfinite(self._grad(p)).all()):
+                    float_bad.append(self._name_of[p])
+            for p, dense in self._densified.items():
+                p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
         finally:
             for b in self._buckets:
                 b.reset()
             self._float_handles = {}
+            self._sparse_handles = {}
+            self._densified = {}
             self._fired = set()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
@@ -236,6 +269,25 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     f"average")
         finally:
             self._engine.next_step()
+
+    def _finish_bucket(self, b: _Bucket) -> list[Item]:
+        """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
+        grads = [self._grad(p) for p in b.coded]
+        # decode straight into fp32 gradients; other dtypes are converted below
+        direct = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous() else None for g in grads]
+        if b.kind == "allgather":
+            gathered = self._transport.wait(b.gather_handle, self._what("code allgather", b))
+            outs = self._engine.decode(b.items, gathered, outs=direct)
+        elif b.kind == "summed":
+            summed = self._transport.wait(b.gather_handle, self._what("code-sum allreduce", b))
+            outs = self._engine.decode_sums(b.items, summed, outs=direct)
+        else:
+            summed = self._transport.int8_sum_(b.values, what=f"bucket {b.index} ({b.items[0].name!r}, ...)")
+            outs = self._engine.decode_sums(b.items, summed, outs=direct)
+        for g, out in zip(grads, outs):
+            if out.data_ptr() != g.data_ptr():
+                g.copy_(out.view(g.shape))
+        return self._engine.nonfinite(b.items)
 
     @contextmanager
     def skip_synchronize(self):
@@ -286,12 +338,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError("gradient_predivide_factor must be 1.0: TernGrad decodes the exact average")
     if num_groups or groups:
         raise ValueError("num_groups/groups are not used: hvd_terngrad buckets coded tensors itself (bucket_bytes=)")
-    if sparse_as_dense:
-        raise ValueError("sparse gradients are not supported by hvd_terngrad.DistributedOptimizer")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-    if compression._process_set is None:
-        compression._process_set = process_set
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_TernGradOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, process_set,
-               bucket_bytes)
+               bucket_bytes, sparse_as_dense)

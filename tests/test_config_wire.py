@@ -18,6 +18,8 @@ from hvd_terngrad.config import payload_tag
     ({"seed": -1}, "seed"),
     ({"num_threads": 0}, "num_threads"),
     ({"exclude": (3,)}, "exclude"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0"),
+    ({"timeout_s": float("inf")}, "timeout_s"),
 ])
 def test_invalid_options_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -20,6 +20,8 @@ SOURCE = Path(__file__).with_name("terngrad_kernels.cu")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
 _CUPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.uint16,
                torch.bfloat16: np.uint16, torch.uint8: np.uint8}
+# What CuPy's RawModule gets; benchmarks/kernel_resources.py compiles with the same options in CI.
+NVRTC_OPTIONS = ("-std=c++17",)
 _THREADS = 256
 _STAT_BLOCKS = 1024
 _module = None
@@ -39,7 +41,7 @@ def _kernels():
     if cp is None:
         raise RuntimeError("the CUDA codec backend needs CuPy (pip install cupy-cuda12x)")
     if _module is None:
-        _module = cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
+        _module = cp.RawModule(code=SOURCE.read_text(), options=NVRTC_OPTIONS)
     return _module
 
 
