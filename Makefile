@@ -13,8 +13,10 @@ NP ?= 2
 install:
 	@bash scripts/install.sh
 
+# rank 0's report without horovodrun's tags; every rank's output in build/train-logs/
 train: install
-	@timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) examples/train_digits.py
+	@set -o pipefail; timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) examples/train_digits.py 2>&1 \
+		| $(PY) scripts/rank0_report.py build/train-logs
 
 lint: install
 	@$(VENV)/bin/ruff check .

@@ -3,8 +3,11 @@
     horovodrun -np 2 python examples/train_digits.py            # the README's main command (make train)
     horovodrun -np 4 python examples/train_digits.py --methods fp32,terngrad,terngrad-noclip --epochs 15
 
-Each worker trains on its shard of the training split; every epoch prints the test accuracy, the bytes
-this worker sent per step and the compression ratio. At the end a side-by-side table compares methods.
+Each worker trains on its shard of the training split; every epoch rank 0 prints the test accuracy, the
+bytes this worker sent per step and the compression ratio. At the end a side-by-side table compares methods.
+`make train` pipes this through scripts/rank0_report.py, which shows rank 0's lines without horovodrun's
+tags (the epoch lines as one progress bar per method on a terminal) and keeps each rank's output in
+build/train-logs/.
 """
 from __future__ import annotations
 
@@ -72,8 +75,12 @@ def dense_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def _say(msg: str) -> None:
+    print(msg, flush=True)  # through horovodrun's pipe: unflushed lines would all come at the end
+
+
 def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: float = 0.05,
-        progress: bool = False, log=print) -> dict:
+        progress: bool = False, log=_say) -> dict:
     """Train one method in an hvd.init()-ed process; returns per-epoch accuracy and traffic figures."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
@@ -101,13 +108,6 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
     steps = (len(ys) + batch_size - 1) // batch_size
     steps = hvd.allreduce(torch.tensor(steps), op=hvd.Min, name=f"steps.{method}.{seed}").item()
     history = []
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        # stdout, ASCII, 1 s refresh: readable through horovodrun's per-rank line tags, which see no TTY
-        bar = tqdm(total=epochs * steps, desc=f"{method:>10}", leave=False, file=sys.stdout, ascii=True,
-                   mininterval=1.0, ncols=90)
     t_start = time.perf_counter()
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     for epoch in range(epochs):
@@ -126,16 +126,14 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
                 nb = dense_bytes(model) // (2 if opts == "fp16" else 1)
                 sent += nb
                 ratio += dense_bytes(model) / nb
-            if bar is not None:
-                bar.update(1)
         acc = accuracy(model, xte, yte)
         history.append({"epoch": epoch + 1, "test_acc": acc, "bytes_per_step": sent / steps, "ratio": ratio / steps})
         if rank == 0 and log is not None:
-            msg = (f"[{method}] epoch {epoch + 1:2d}/{epochs}  test acc {acc:6.2f}%  "
-                   f"bytes/step {sent / steps:10.0f}  ratio {ratio / steps:5.1f}x")
-            (bar.write if bar is not None else log)(msg)
-    if bar is not None:
-        bar.close()
+            done = (epoch + 1) * 20 // epochs
+            msg = (f"{method:<16} epoch {epoch + 1:2d}/{epochs} [{'#' * done}{'.' * (20 - done)}]  test acc "
+                   f"{acc:6.2f}%  bytes/step {sent / steps:9,.0f}  ratio {ratio / steps:4.1f}x")
+            # all but the last epoch as progress lines: one bar, redrawn in place, on a terminal
+            log(("progress " if progress and epoch + 1 < epochs else "") + msg)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"method": method, "seed": seed, "history": history, "final_acc": history[-1]["test_acc"],
             "bytes_per_step": history[-1]["bytes_per_step"], "ratio": history[-1]["ratio"],
@@ -168,7 +166,7 @@ def main(argv=None):
         if m not in METHODS:
             ap.error(f"unknown method {m!r}; allowed: {', '.join(METHODS)}")
     if hvd.rank() == 0:
-        print(f"digits CNN, {hvd.size()} workers, {args.epochs} epochs, batch {args.batch_size}/worker", flush=True)
+        print(f"digits CNN, {hvd.size()} workers, {args.epochs} epochs, batch {args.batch_size}/worker\n", flush=True)
     results = [run(m, seed=args.seed, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, progress=True)
                for m in methods]
     if hvd.rank() == 0:

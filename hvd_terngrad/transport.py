@@ -12,6 +12,7 @@ CollectiveTimeoutError naming the collective, the tensor and the rank.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -23,11 +24,9 @@ import torch
 from hvd_terngrad.engine import CollectiveTimeoutError
 from hvd_terngrad.stats import StatsRecorder
 
-# Polling: yield the core (as hvd.synchronize does) while a call is young, then sleep in short, growing
-# pauses so that a long wait leaves the core to Horovod's thread without adding more than _MAX_PAUSE of latency.
-_SPIN_S = 1e-3
-_MIN_PAUSE = 2e-5
-_MAX_PAUSE = 2e-4
+# Polling, as hvd.synchronize() waits: yield the core to Horovod's thread between polls (a sleep, even of
+# microseconds, costs a small job's step several milliseconds), and read the clock every _POLLS_PER_CLOCK polls.
+_POLLS_PER_CLOCK = 64
 
 
 class HorovodTransport:
@@ -125,15 +124,13 @@ class HorovodTransport:
     def wait(self, handle, what: str) -> torch.Tensor:
         """hvd.synchronize(handle), but at most timeout_s: then CollectiveTimeoutError naming `what`."""
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
-            t0 = time.monotonic()
-            pause = 0.0
+            deadline = time.monotonic() + self.timeout_s
+            polls = 0
             while not hvd.poll(handle):
-                elapsed = time.monotonic() - t0
-                if elapsed > self.timeout_s:
+                polls += 1
+                if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:
                     raise CollectiveTimeoutError(self._timeout_message(what))
-                if elapsed > _SPIN_S:
-                    pause = min(max(2 * pause, _MIN_PAUSE), _MAX_PAUSE)
-                time.sleep(pause)
+                os.sched_yield()
             return hvd.synchronize(handle)
 
     def _timeout_message(self, what: str) -> str:
