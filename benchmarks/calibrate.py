@@ -18,7 +18,7 @@ On every (profile, N) cluster, one job of N ranks measures:
   fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five or six payload sizes, 16 calls
   each, each a large and a small tensor fused into one call as in training, with nothing else running. Each is fitted to
   t = a + x / B, where x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes,
-  allgather (N-1) * bytes per worker, as in hvd_terngrad/perfmodel.py), so a is the per-call latency and B
+  allgather (N-1) * bytes per worker, as in hvd_terngrad/commcost.py), so a is the per-call latency and B
   the effective bandwidth the link, MPI and the host's TCP stack together give;
   and, at every size, how long the call takes beside compute on the worker's core and how much it slows
   that compute (the main thread's rate of matrix products, against alone).
@@ -52,7 +52,7 @@ DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
 
 
 def bandwidth_bytes(kind: str, nbytes: float, n: int) -> float:
-    """The bytes term of hvd_terngrad/perfmodel.py for one call of `kind` with `nbytes` per worker."""
+    """The bytes term of hvd_terngrad/commcost.py for one call of `kind` with `nbytes` per worker."""
     return (n - 1) * nbytes if kind.startswith("allgather") else 2 * (n - 1) / n * nbytes
 
 

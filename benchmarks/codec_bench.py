@@ -98,8 +98,8 @@ def cpu_rows(n: int, threads: list[int]) -> list[dict]:
     for nt in threads:
         torch.set_num_threads(nt)
         t_enc = timeit(lambda nt=nt: codec.ternarize_pack(x, s, key, out=out, backend="cpu", nthreads=nt))
-        t_stats = timeit(lambda nt=nt: codec.stats(x, backend="cpu", nthreads=nt))
-        t_dec = timeit(lambda nt=nt: codec.decode_sum(codes, [s] * RANKS, True, n, out=dec, backend="cpu",
+        t_stats = timeit(lambda nt=nt: codec.moments(x, backend="cpu", nthreads=nt))
+        t_dec = timeit(lambda nt=nt: codec.decode_mean(codes, [s] * RANKS, True, n, out=dec, backend="cpu",
                                                        nthreads=nt))
         t_grace = timeit(lambda: grace_compress(x), min_reps=2, max_reps=5)
         gc = [grace_compress(x) for _ in range(RANKS)]
@@ -139,9 +139,9 @@ def gpu_row(n: int) -> dict:
     gb = 4 * n / 1e9
     t_copy = _cuda_time(lambda: y.copy_(x))
     t_enc = _cuda_time(lambda: codec.ternarize_pack(x, s, key, out=out, backend="cuda"))
-    t_dec = _cuda_time(lambda: codec.decode_sum(codes, [s] * RANKS, True, n, out=dec, backend="cuda"))
+    t_dec = _cuda_time(lambda: codec.decode_mean(codes, [s] * RANKS, True, n, out=dec, backend="cuda"))
     same = torch.equal(out.cpu(), codec.ternarize_pack(x.cpu(), s, key, backend="cpu"))
-    dec_same = torch.equal(dec.cpu(), codec.decode_sum([c.cpu() for c in codes], [s] * RANKS, True, n, backend="cpu"))
+    dec_same = torch.equal(dec.cpu(), codec.decode_mean([c.cpu() for c in codes], [s] * RANKS, True, n, backend="cpu"))
     # GB/s of fp32 input, like the CPU rows (the copy itself moves twice that)
     return {"n": n, "d2d_copy": gb / t_copy, "encode": gb / t_enc, "decode": gb / t_dec,
             "encode_vs_copy": t_copy / t_enc, "codes_bit_identical_to_cpu": same,

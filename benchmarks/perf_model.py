@@ -17,7 +17,7 @@ Two uses, one decomposition:
   collective runs at its measured pace beside compute, at its size, while backward runs or the main thread
   encodes or decodes. The overlap is what the timeline hides behind that work.
 - Real clusters (extrapolate): compute from published per-GPU throughput, the codec at the GPU goal's
-  bandwidth, and hvd_terngrad/perfmodel.py's link formulas (ring allreduce, allgather, summed sums, the
+  bandwidth, and hvd_terngrad/commcost.py's link formulas (ring allreduce, allgather, summed sums, the
   scaler allreduce; hierarchical with several GPUs per node). Overlap: communication hides behind backward
   up to the backward time.
 
@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hvd_terngrad import TernGradConfig  # noqa: E402
+from hvd_terngrad.commcost import Link, allgather_time, allreduce_time  # noqa: E402
 from hvd_terngrad.optimizer import plan_buckets  # noqa: E402
-from hvd_terngrad.perfmodel import Link, allgather_time, allreduce_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

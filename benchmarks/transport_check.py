@@ -1,4 +1,4 @@
-"""Compare hvd_terngrad.perfmodel's communication time with the measured one, for every TernGrad run of a sweep.
+"""Compare hvd_terngrad.commcost's communication time with the measured one, for every TernGrad run of a sweep.
 
     python benchmarks/transport_check.py results/transports/sweep.json
 
@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.perf_model import split_of  # noqa: E402
 from benchmarks.synthetic import MODELS  # noqa: E402
-from hvd_terngrad.perfmodel import Link, allreduce_time, choose_transport, transport_time  # noqa: E402
+from hvd_terngrad.commcost import Link, allreduce_time, choose_transport, transport_time  # noqa: E402
 
 
 def split(model: str) -> tuple[int, int, int]:

@@ -24,17 +24,10 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
+from hvd_terngrad.commcost import resolve_transport
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.engine import Item, TernGradEngine
-from hvd_terngrad.perfmodel import choose_transport
 from hvd_terngrad.transport import HorovodTransport
-
-
-def resolve_transport(transport: str, numel: int, size: int, int8: bool) -> str:
-    """The transport a group of `numel` coded elements takes: the configured one, or the model's choice."""
-    if transport != "auto":
-        return transport
-    return choose_transport(numel, size, int8=int8)
 
 
 class _Coded:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hvd_terngrad.codec import BACKENDS, Stats
+from hvd_terngrad.codec import BACKENDS, Moments
 
 TRANSPORTS = ("allgather", "summed", "summed-int8", "auto")
 ON_NONFINITE = ("raise", "skip")
@@ -32,7 +32,7 @@ class TernGradConfig:
     backend: codec backend, one of "auto", "cpu", "cuda", "reference".
     transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
         an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
-        hvd_terngrad optimizer only), or "auto" (hvd_terngrad.perfmodel picks per bucket from N and the link).
+        hvd_terngrad optimizer only), or "auto" (hvd_terngrad.commcost picks per bucket from N and the link).
     on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
         (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
@@ -87,7 +87,7 @@ class TernGradConfig:
             return False
         return not any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude)
 
-    def scaler(self, st: Stats) -> float:
+    def scaler(self, st: Moments) -> float:
         """The local scaler, rounded to fp32 (the value that travels).
 
         With clipping, min(c * std, max|g|): the clipped elements get +-s, and where c * std exceeds

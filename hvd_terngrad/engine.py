@@ -95,7 +95,7 @@ class TernGradEngine:
                 flat = flat + self.residuals[name]
             elif not flat.is_contiguous():
                 flat = flat.contiguous()
-            st = codec.stats(flat, backend=cfg.backend, nthreads=cfg.num_threads)
+            st = codec.moments(flat, backend=cfg.backend, nthreads=cfg.num_threads)
         bad = st.nonfinite > 0
         return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
@@ -166,12 +166,12 @@ class TernGradEngine:
                                          nthreads=cfg.num_threads)
                 wire.zero_padding(rec, it.numel)
                 if cfg.error_feedback and it.nonfinite_rank < 0:
-                    self._keep_residual(it, codec.decode_sum([codes], [1.0], True, it.numel, backend=cfg.backend,
+                    self._keep_residual(it, codec.decode_mean([codes], [1.0], True, it.numel, backend=cfg.backend,
                                                              nthreads=cfg.num_threads))
                 off += wire.record_size(it.numel)
         for it in items:
             self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
-                                 scaler_bytes=16 if shared else 0)
+                                 scaler_bytes=wire.SCALER_ENTRY_BYTES if shared else 0)
         return payload
 
     def _keep_residual(self, it: Item, b: torch.Tensor) -> None:
@@ -195,7 +195,7 @@ class TernGradEngine:
                 else:
                     codes = codec.ternarize_pack(it.flat, it.scaler, self.key(it), backend=cfg.backend,
                                                  nthreads=cfg.num_threads)
-                    b = codec.decode_sum([codes], [1.0], True, it.numel, out=self._scratch(it.numel, dev),
+                    b = codec.decode_mean([codes], [1.0], True, it.numel, out=self._scratch(it.numel, dev),
                                          backend=cfg.backend, nthreads=cfg.num_threads)
                     values[off: off + it.numel].copy_(b)
                     if cfg.error_feedback:
@@ -203,7 +203,7 @@ class TernGradEngine:
                 off += it.numel
         for it in items:
             self.stats.add_coded(it.numel * values.element_size(), it.numel * it.flat.element_size(), self.size,
-                                 scaler_bytes=16)
+                                 scaler_bytes=wire.SCALER_ENTRY_BYTES)
         return values
 
     def _scratch(self, n: int, device: torch.device) -> torch.Tensor:
@@ -252,7 +252,7 @@ class TernGradEngine:
                 starts = [r * per_rank + it.offset + wire.HEADER_SIZE for r in range(self.size)]
                 codes = [gathered[s: s + wire.codes_size(it.numel)] for s in starts]
                 try:
-                    res = codec.decode_sum(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
+                    res = codec.decode_mean(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
                                            out=outs[i] if outs else None, backend=cfg.backend,
                                            nthreads=cfg.num_threads)
                 except codec.CorruptPayload as exc:

@@ -25,6 +25,9 @@ FLAG_SHARED = 1
 FLAG_NONFINITE = 2
 HEADER = struct.Struct("<2sBBIQfI")
 HEADER_SIZE = HEADER.size  # 24
+# A coded tensor's entry in the scaler Max allreduce (share_scaler=True): [scaler, non-finite rank + 1, tag,
+# -tag] as fp32, see engine.scaler_vector.
+SCALER_ENTRY_BYTES = 16
 
 
 def codes_size(numel: int) -> int:

@@ -72,7 +72,7 @@ def test_golden_vectors(case, backend):
     key = codec.RngKey(case["seed"], case["step"], case["rank"], case["tensor_id"])
     packed = codec.ternarize_pack(x, case["scaler"], key, backend=backend)
     assert bytes(packed.cpu().tolist()).hex() == case["packed_hex"]
-    got = codec.stats(x, backend=backend)
+    got = codec.moments(x, backend=backend)
     exp = case["stats"]
     if backend == "cuda":  # a tree reduction on the GPU: equal to ~1 ulp of double, not bit for bit
         assert got.mean == pytest.approx(exp[0], rel=1e-12, abs=1e-15)
@@ -94,15 +94,15 @@ def test_cpu_matches_reference_bit_for_bit(dtype, n, simd):
     assert torch.equal(a, b)
     for nt in (2, 3, 8):  # whatever the thread count
         assert torch.equal(codec.ternarize_pack(x, s, key, backend="cpu", nthreads=nt), a)
-        assert codec.stats(x, backend="cpu", nthreads=nt) == codec.stats(x, backend="cpu", nthreads=1)
+        assert codec.moments(x, backend="cpu", nthreads=nt) == codec.moments(x, backend="cpu", nthreads=1)
     if n <= 70_000:  # the reference stats loop is slow
-        assert codec.stats(x, backend="cpu") == codec.stats(x, backend="reference")
+        assert codec.moments(x, backend="cpu") == codec.moments(x, backend="reference")
     if n:
         other = codec.ternarize_pack(x, s * 0.5, key, backend="cpu")
         for shared in (True, False):
             scalers = [s, s, s] if shared else [s, s * 0.5, s * 0.25]
-            d1 = codec.decode_sum([a, other, a], scalers, shared, n, backend="cpu", nthreads=3)
-            d2 = codec.decode_sum([a, other, a], scalers, shared, n, backend="reference")
+            d1 = codec.decode_mean([a, other, a], scalers, shared, n, backend="cpu", nthreads=3)
+            d2 = codec.decode_mean([a, other, a], scalers, shared, n, backend="reference")
             assert torch.equal(d1, d2)
 
 
@@ -110,8 +110,8 @@ def test_decode_many_ranks_beyond_int8_counters(simd):
     """Shared decode of 200 ranks (past the 127 the int8 AVX-512 counters hold) equals the reference."""
     n = 1000
     codes = [codec.ternarize_pack(torch.randn(n), 1.0, codec.RngKey(5, 0, r, 9)) for r in range(200)]
-    got = codec.decode_sum(codes, [1.0] * 200, True, n, backend="cpu")
-    ref = codec.decode_sum(codes, [1.0] * 200, True, n, backend="reference")
+    got = codec.decode_mean(codes, [1.0] * 200, True, n, backend="cpu")
+    ref = codec.decode_mean(codes, [1.0] * 200, True, n, backend="reference")
     assert torch.equal(got, ref)
 
 
@@ -121,7 +121,7 @@ def test_non_contiguous_input_equals_contiguous():
     assert not t.is_contiguous()
     key = codec.RngKey(1, 2, 3, 4)
     assert torch.equal(codec.ternarize_pack(t, 1.0, key), codec.ternarize_pack(t.contiguous(), 1.0, key))
-    assert codec.stats(t) == codec.stats(t.contiguous())
+    assert codec.moments(t) == codec.moments(t.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_roundtrip_property(n, dtype, scale, seed, step, rank, tid, data_seed):
     codes = reference.unpack(packed, ((n + 3) // 4) * 4)
     assert not bool((codes == 3).any()), "no encoder writes 0b11"
     assert not bool((codes[n:] != 0).any()), "padding codes are zero"
-    dec = codec.decode_sum([packed], [s], True, n, backend="cpu")
+    dec = codec.decode_mean([packed], [s], True, n, backend="cpu")
     # every decoded value is 0 or +-s with the sign of x; |x| >= s always keeps
     vals = reference.values(codes[:n])
     assert torch.equal(dec, vals * torch.tensor(s, dtype=torch.float32))
@@ -171,7 +171,7 @@ def test_unbiased_within_statistical_bound():
     acc = torch.zeros(n, dtype=torch.float64)
     for step in range(k):
         packed = codec.ternarize_pack(x, s, codec.RngKey(7, step, 0, 1))
-        acc += codec.decode_sum([packed], [s], True, n).double()
+        acc += codec.decode_mean([packed], [s], True, n).double()
     mean = acc / k
     err = (mean - xc.double()).abs()
     sd = torch.sqrt(xc.double().abs() / s * (1 - xc.double().abs() / s)) * s / math.sqrt(k)
@@ -186,7 +186,7 @@ def test_clipping_gives_plus_minus_s():
     s = 1.0
     for step in range(20):
         packed = codec.ternarize_pack(x, s, codec.RngKey(1, step, 0, 0))
-        dec = codec.decode_sum([packed], [s], True, x.numel())
+        dec = codec.decode_mean([packed], [s], True, x.numel())
         big = x.abs() >= s
         assert torch.equal(dec[big], torch.sign(x[big]) * s)
 
@@ -194,48 +194,48 @@ def test_clipping_gives_plus_minus_s():
 @pytest.mark.parametrize("backend", backends())
 def test_all_zero_tensor_gives_zero_codes_and_no_nan(backend):
     x = torch.zeros(1001, device=_dev(backend))
-    st_ = codec.stats(x, backend=backend)
-    assert st_ == codec.Stats(0.0, 0.0, 0.0, 0)
+    st_ = codec.moments(x, backend=backend)
+    assert st_ == codec.Moments(0.0, 0.0, 0.0, 0)
     packed = codec.ternarize_pack(x, 0.0, codec.RngKey(1, 1, 1, 1), backend=backend)
     assert int(packed.count_nonzero()) == 0
-    dec = codec.decode_sum([packed, packed], [0.0, 0.0], True, 1001, backend=backend)
+    dec = codec.decode_mean([packed, packed], [0.0, 0.0], True, 1001, backend=backend)
     assert bool(torch.isfinite(dec).all()) and int(dec.count_nonzero()) == 0
 
 
 def test_stats_flags_non_finite_and_matches_torch():
     x = torch.randn(100_000, dtype=torch.float64)
-    st_ = codec.stats(x)
+    st_ = codec.moments(x)
     assert st_.mean == pytest.approx(float(x.mean()), abs=1e-12)
     assert st_.std == pytest.approx(float(x.std(unbiased=False)), rel=1e-10)
     assert st_.absmax == float(x.abs().max())
     x[5] = float("nan")
     x[7] = float("inf")
-    assert codec.stats(x).nonfinite == 2
-    assert codec.stats(x.float()).nonfinite == 2
-    assert codec.stats(x.half()).nonfinite >= 2
+    assert codec.moments(x).nonfinite == 2
+    assert codec.moments(x.float()).nonfinite == 2
+    assert codec.moments(x.half()).nonfinite >= 2
 
 
 def test_decode_rejects_invalid_codes(simd):
     bad = torch.tensor([0b11], dtype=torch.uint8)
     with pytest.raises(codec.CorruptPayload):
-        codec.decode_sum([bad], [1.0], True, 4)
+        codec.decode_mean([bad], [1.0], True, 4)
     big = torch.zeros(64, dtype=torch.uint8)  # 256 elements: the SIMD path
     big[17] = 0b00110000
     for shared in (True, False):
         with pytest.raises(codec.CorruptPayload):
-            codec.decode_sum([big, big], [1.0, 1.0], shared, 256)
+            codec.decode_mean([big, big], [1.0, 1.0], shared, 256)
     pad = torch.tensor([0b01000000], dtype=torch.uint8)  # element 3 set, but n = 3
     with pytest.raises(codec.CorruptPayload):
-        codec.decode_sum([pad], [1.0], True, 3)
+        codec.decode_mean([pad], [1.0], True, 3)
     with pytest.raises(codec.CorruptPayload):
-        codec.decode_sum([pad], [1.0], True, 3, backend="reference")
+        codec.decode_mean([pad], [1.0], True, 3, backend="reference")
 
 
 def test_argument_errors():
     with pytest.raises(ValueError, match="allowed: auto, cpu, cuda, reference"):
-        codec.stats(torch.ones(3), backend="gpu")
+        codec.moments(torch.ones(3), backend="gpu")
     with pytest.raises(TypeError, match="floating-point"):
-        codec.stats(torch.ones(3, dtype=torch.int32))
+        codec.moments(torch.ones(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="rank"):
         codec.RngKey(0, 0, 70000, 0)
     with pytest.raises(ValueError, match="scaler"):

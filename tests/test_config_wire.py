@@ -31,11 +31,11 @@ def test_policy_and_scaler_rule():
     assert cfg.compresses("fc1.weight", 100)
     assert not cfg.compresses("fc1.bias", 9)
     assert not cfg.compresses("fc2.weight", 100)
-    st = codec.Stats(mean=0.0, std=1.0, absmax=10.0, nonfinite=0)
+    st = codec.Moments(mean=0.0, std=1.0, absmax=10.0, nonfinite=0)
     assert cfg.scaler(st) == 2.5
     assert TernGradConfig(clip=0).scaler(st) == 10.0
-    assert cfg.scaler(codec.Stats(0.0, 1.0, 2.0, 0)) == 2.0  # max|g| < c * std: the smaller one
-    assert cfg.scaler(codec.Stats(0.5, 0.0, 0.5, 0)) == 0.5  # constant tensor: coded exactly
+    assert cfg.scaler(codec.Moments(0.0, 1.0, 2.0, 0)) == 2.0  # max|g| < c * std: the smaller one
+    assert cfg.scaler(codec.Moments(0.5, 0.0, 0.5, 0)) == 0.5  # constant tensor: coded exactly
 
 
 def test_record_header_layout():
@@ -107,15 +107,15 @@ def test_summed_transport_needs_a_shared_scaler():
         TernGradConfig(transport="summed", share_scaler=False)
 
 
-def test_perfmodel_crossovers():
-    from hvd_terngrad import perfmodel
+def test_commcost_crossovers():
+    from hvd_terngrad import commcost
 
     big = 10_000_000
-    assert perfmodel.choose_transport(big, 4) == "allgather"
-    assert perfmodel.choose_transport(big, 64) == "summed"
-    assert 16 <= perfmodel.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
-    assert 8 <= perfmodel.crossover_nodes(big, summed="summed-int8") <= 10
-    assert perfmodel.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
+    assert commcost.choose_transport(big, 4) == "allgather"
+    assert commcost.choose_transport(big, 64) == "summed"
+    assert 16 <= commcost.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
+    assert 8 <= commcost.crossover_nodes(big, summed="summed-int8") <= 10
+    assert commcost.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
 
 
 def test_engine_summed_decode_equals_allgather_decode():

@@ -68,6 +68,6 @@ def test_gpu_kernels_match_reference(emu, dtype, n):
         out = torch.empty(n, dtype=torch.float32)
         post = float(np.float32(scalers[0]) / np.float32(2))
         bad = emu.emu_decode(ptrs.ctypes.data, 2, w.ctypes.data, int(shared), post, n, out.data_ptr())
-        ref, ok = reference.decode_sum([a, c], scalers, shared, n)
+        ref, ok = reference.decode_mean([a, c], scalers, shared, n)
         assert bad == 0 and ok
         assert torch.equal(out, ref)

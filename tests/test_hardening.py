@@ -120,7 +120,7 @@ def body_shapes_and_dtypes():
         s = tg.engine.scalers_used[n]
         codes = reference.ternarize_pack(flat, s, 4, 0, rank, tensor_id(n))
         allc = hvd.allgather(codes[None], name=f"c.{n}")
-        exp, ok = reference.decode_sum(list(allc), [s] * size, True, flat.numel())
+        exp, ok = reference.decode_mean(list(allc), [s] * size, True, flat.numel())
         out[n] = ok and torch.equal(p.grad.reshape(-1), exp.to(p.dtype)) and p.grad.dtype == p.dtype
         if n == "zeros":
             out[n] = out[n] and int(p.grad.count_nonzero()) == 0 and bool(torch.isfinite(p.grad).all())
@@ -162,15 +162,15 @@ def test_fuzz_pack_unpack_decode(n, dtype, values, scaler, key, nranks, shared, 
     scalers = [scaler] * nranks if shared else [scaler * (r + 1) / nranks for r in range(nranks)]
     codes = [packed] + [codec.ternarize_pack(x, scalers[r], codec.RngKey(key[0], key[1], r, key[3]))
                         for r in range(1, nranks)]
-    got = codec.decode_sum(codes, scalers, shared, n, backend="cpu")
-    exp, ok = reference.decode_sum(codes, scalers, shared, n)
+    got = codec.decode_mean(codes, scalers, shared, n, backend="cpu")
+    exp, ok = reference.decode_mean(codes, scalers, shared, n)
     assert ok and torch.equal(got, exp)
     if 0 <= corrupt < packed.numel() * 4:
         bad = packed.clone()
         byte, slot = divmod(corrupt, 4)
         bad[byte] |= 3 << (2 * slot)  # an invalid code, or a non-zero padding code
         with pytest.raises(codec.CorruptPayload):
-            codec.decode_sum([bad], [scaler], True, n, backend="cpu")
+            codec.decode_mean([bad], [scaler], True, n, backend="cpu")
 
 
 @settings(max_examples=300, deadline=None)

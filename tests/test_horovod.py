@@ -61,7 +61,7 @@ def body_exact(front, steps, options):
                 assert torch.equal(p.grad, avg), n
                 checks["float_is_average"] += 1
                 continue
-            s_local = cfg.scaler(codec.stats(g))
+            s_local = cfg.scaler(codec.moments(g))
             s_all = hvd.allgather(torch.tensor([s_local], dtype=torch.float64), name=f"check.s.{n}")
             s_used = tg.engine.scalers_used[n]
             if cfg.share_scaler:

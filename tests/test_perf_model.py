@@ -1,8 +1,8 @@
-"""The performance model's arithmetic (benchmarks/perf_model.py, hvd_terngrad/perfmodel.py)."""
+"""The performance model's arithmetic (benchmarks/perf_model.py, hvd_terngrad/commcost.py)."""
 import pytest
 
 from benchmarks.perf_model import CLUSTERS, GPU_CODEC, PAPER_MODELS, Split, comm_seconds, step_seconds
-from hvd_terngrad.perfmodel import Link, allgather_time, allreduce_time
+from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
 
 LINK = Link(bandwidth=100e6, latency=0.0)
 

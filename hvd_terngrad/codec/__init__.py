@@ -1,8 +1,10 @@
 """The ternary codec: one set of functions, dispatched by the tensor's device.
 
-    stats(x)                                  -> Stats(mean, std, absmax, nonfinite)
+    moments(x)                                -> Moments(mean, std, absmax, nonfinite) of a gradient
     ternarize_pack(x, scaler, key, out=None)  -> uint8 tensor of ceil(n/4) packed 2-bit codes
-    decode_sum(codes, scalers, shared, n)     -> fp32 average of the ranks' ternary tensors
+    decode_mean(codes, scalers, shared, n)    -> fp32 average of the ranks' ternary tensors
+
+(The C and CUDA symbols keep their ABI names: tg_stats computes the moments, tg_decode_sum the mean.)
 
 Backends: "cpu" (C++ kernels, csrc/), "cuda" (CuPy RawKernels, terngrad_kernels.cu) and "reference"
 (plain torch, the executable spec). "auto" picks cuda for CUDA tensors and cpu otherwise. All three give
@@ -16,12 +18,13 @@ from typing import NamedTuple
 import torch
 
 from hvd_terngrad.codec import cpu, reference
+from hvd_terngrad.wire import codes_size
 
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class Stats(NamedTuple):
+class Moments(NamedTuple):
     mean: float
     std: float
     absmax: float
@@ -44,10 +47,6 @@ class RngKey:
             raise ValueError(f"rank must be in [0, 65536), got {self.rank}")
         if not 0 <= self.tensor_id < 2**32:
             raise ValueError(f"tensor_id must be in [0, 2**32), got {self.tensor_id}")
-
-
-def packed_size(n: int) -> int:
-    return (n + 3) // 4
 
 
 def _cuda():
@@ -76,14 +75,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
 
 
-def stats(x: torch.Tensor, backend: str = "auto", nthreads: int | None = None) -> Stats:
+def moments(x: torch.Tensor, backend: str = "auto", nthreads: int | None = None) -> Moments:
     x = _flat(x)
     be = resolve_backend(x, backend)
     if be == "cpu":
-        return Stats(*cpu.stats(x, nthreads))
+        return Moments(*cpu.moments(x, nthreads))
     if be == "cuda":
-        return Stats(*_cuda().stats(x))
-    return Stats(*reference.stats(x))
+        return Moments(*_cuda().moments(x))
+    return Moments(*reference.moments(x))
 
 
 def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tensor | None = None,
@@ -91,7 +90,7 @@ def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tenso
     """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
     x = _flat(x)
     n = x.numel()
-    nbytes = packed_size(n)
+    nbytes = codes_size(n)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
@@ -112,15 +111,15 @@ class CorruptPayload(ValueError):
     """Codes that no encoder writes: 0b11, or a non-zero padding code."""
 
 
-def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
+def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
                out: torch.Tensor | None = None, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
     """Mean over ranks of scaler_r * b_r, as fp32, from each rank's packed codes.
 
     shared=True: all ranks used scalers[0]; the code sum gets one multiply by scalers[0] / len(codes).
     """
     if not codes:
-        raise ValueError("decode_sum needs the codes of at least one rank")
-    nbytes = packed_size(n)
+        raise ValueError("decode_mean needs the codes of at least one rank")
+    nbytes = codes_size(n)
     for r, c in enumerate(codes):
         if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
             raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got "
@@ -133,11 +132,11 @@ def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n:
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
     be = resolve_backend(codes[0], backend)
     if be == "cpu":
-        ok = cpu.decode_sum(codes, scalers, shared, n, out, nthreads)
+        ok = cpu.decode_mean(codes, scalers, shared, n, out, nthreads)
     elif be == "cuda":
-        ok = _cuda().decode_sum(codes, scalers, shared, n, out)
+        ok = _cuda().decode_mean(codes, scalers, shared, n, out)
     else:
-        res, ok = reference.decode_sum([c.cpu() for c in codes], scalers, shared, n)
+        res, ok = reference.decode_mean([c.cpu() for c in codes], scalers, shared, n)
         out.copy_(res)
     if not ok:
         raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")

@@ -101,10 +101,10 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"hvd_terngrad C++ kernel {what} rejected its arguments (code {rc})")
 
 
-def stats(x: torch.Tensor, nthreads: int | None = None) -> tuple[float, float, float, int]:
+def moments(x: torch.Tensor, nthreads: int | None = None) -> tuple[float, float, float, int]:
     lib = _lib_or_raise()
     out = (ctypes.c_double * 4)()
-    _check(lib.tg_stats(_DTYPES[x.dtype], x.data_ptr(), x.numel(), nthreads or default_threads(), out), "stats")
+    _check(lib.tg_stats(_DTYPES[x.dtype], x.data_ptr(), x.numel(), nthreads or default_threads(), out), "moments")
     return out[0], out[1], out[2], int(out[3])
 
 
@@ -116,7 +116,7 @@ def ternarize_pack(x: torch.Tensor, scaler: float, seed: int, step: int, rank: i
     _check(rc, "ternarize_pack")
 
 
-def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor,
+def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor,
                nthreads: int | None = None) -> bool:
     """Returns False when a code is invalid (0b11) or a padding code is not zero."""
     lib = _lib_or_raise()
@@ -124,7 +124,7 @@ def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n:
     ptrs = (ctypes.c_void_p * nr)(*[c.data_ptr() for c in codes])
     sc = (ctypes.c_float * nr)(*scalers)
     rc = lib.tg_decode_sum(nr, ptrs, sc, int(shared), n, out.data_ptr(), nthreads or default_threads())
-    _check(rc, "decode_sum")
+    _check(rc, "decode_mean")
     return rc == 0
 
 

@@ -65,7 +65,7 @@ class _OnTorchStream:
         self.dev.__exit__(*exc)
 
 
-def stats(x: torch.Tensor) -> tuple[float, float, float, int]:
+def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
     n = x.numel()
     if n == 0:
         return 0.0, 0.0, 0.0, 0
@@ -101,7 +101,7 @@ def ternarize_pack(x: torch.Tensor, scaler: float, key, out: torch.Tensor) -> No
            np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step), _wrap(out)))
 
 
-def decode_sum(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor) -> bool:
+def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor) -> bool:
     if n == 0:
         return True
     nr = len(codes)

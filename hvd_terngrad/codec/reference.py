@@ -54,7 +54,7 @@ def uniform_halves(n: int, seed: int, step: int, rank: int, tensor_id: int) -> t
     return torch.stack([w & 0xFFFF, w >> 16], dim=1).reshape(-1)[:n]
 
 
-def stats(x: torch.Tensor) -> tuple[float, float, float, int]:
+def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
     """(mean, std about the mean, max|x|, #non-finite) with the kernels' summation order."""
     x = x.reshape(-1)
     n = x.numel()
@@ -123,7 +123,7 @@ def values(codes: torch.Tensor) -> torch.Tensor:
     return (codes == 1).float() - (codes == 2).float()
 
 
-def decode_sum(packed: list[torch.Tensor], scalers: list[float], shared: bool, n: int) -> tuple[torch.Tensor, bool]:
+def decode_mean(packed: list[torch.Tensor], scalers: list[float], shared: bool, n: int) -> tuple[torch.Tensor, bool]:
     """Average of the ranks' ternary tensors, fp32, with the kernels' rounding; and validity."""
     nranks = len(packed)
     ok = True

@@ -35,7 +35,7 @@ def main():
     for name, n, dtype, scaler, seed, step, rank, tid in CASES:
         x = golden_input(n, dtype)
         packed = reference.ternarize_pack(x, scaler, seed, step, rank, tid)
-        mean, std, absmax, nonfinite = reference.stats(x)
+        mean, std, absmax, nonfinite = reference.moments(x)
         out["cases"].append({"name": name, "n": n, "dtype": dtype, "scaler": scaler, "seed": seed, "step": step,
                              "rank": rank, "tensor_id": tid, "packed_hex": bytes(packed.tolist()).hex(),
                              "stats": [mean, std, absmax, nonfinite]})
