@@ -1,7 +1,7 @@
 """Measure the performance model's host and link inputs on an emulated cluster, without training.
 
-    python benchmarks/calibrate.py --nodes 2,4,8 --profiles ethernet-1g,fast     # -> results/calibration.json
-    python benchmarks/sweep.py --calibrate ...                                    # the same, inside the sweep
+    python -m benchmarks.calibrate --nodes 2,4,8 --profiles ethernet-1g,fast     # -> results/calibration.json
+    python -m benchmarks.sweep --calibrate ...                                    # the same, inside the sweep
 
 On every (profile, N) cluster, one job of N ranks measures:
 - compute: forward + backward + SGD update of each model, all N ranks at once and no communication, each
@@ -35,12 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.models import build, synthetic_batch
+from hvd_terngrad.commcost import allgather_bytes, allreduce_bytes
 
 # Per-worker payload bytes of each collective: spans the sweep's range (tens of kB of scalers and pass-through
 # floats, up to the 50 MB fp32 gradient of `wide`) without copying any of its sizes. Time per byte is not
-# linear between 8 and 50 MB (on `fast`, 8 MB took 7.2 ms, 31 MB 23.5 ms and 50 MB 53.5 ms), so the
-# allreduces get a point in between.
+# linear between 8 and 50 MB on the emulated clusters, so the allreduces get a point in between.
 SIZES = {
     "allreduce_fp32": [2**14, 2**18, 2**21, 2**23, 3 * 2**23, 3 * 2**24],
     "allreduce_fp16": [2**14, 2**18, 2**21, 2**23, 2**24, 3 * 2**23],
@@ -53,7 +53,7 @@ DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
 
 def bandwidth_bytes(kind: str, nbytes: float, n: int) -> float:
     """The bytes term of hvd_terngrad/commcost.py for one call of `kind` with `nbytes` per worker."""
-    return (n - 1) * nbytes if kind.startswith("allgather") else 2 * (n - 1) / n * nbytes
+    return allgather_bytes(nbytes, n) if kind.startswith("allgather") else allreduce_bytes(nbytes, n)
 
 
 def fit(points: list[tuple[float, float]]) -> dict:
@@ -93,33 +93,21 @@ class ComputeProbe:
     step per call: each step starts at a barrier and counts as its slowest rank. Also when, after backward
     starts, each parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank
     makes the same calls. Its steps can be interleaved with a timed run (benchmarks/synthetic.py
-    --compute-probe), so that both see the machine at the same speed: on this machine a worker's compute
-    switches between two speeds for seconds at a time (AlexNet, fast, 2 nodes: backward 18 or 28 ms).
+    --compute-probe), so that both see the machine at the same speed: a worker's compute can switch between
+    speeds for seconds at a time (README, performance model).
 
     casts=True also times, after backward and outside the step's time, Horovod's Compression.fp16 on every
     gradient as training does it: a cast to fp16 of each, then a cast back set into p.grad. With
-    training's allocations these casts cost 3-4x what the same casts cost on reused buffers (AlexNet: 4.5
-    and 10 ms a step, against 2 and 2), as fresh pages fault in."""
+    training's allocations these casts cost several times what the same casts cost on reused buffers, as
+    fresh pages fault in."""
 
     def __init__(self, name: str, batch: int, warmup: int = 2, casts: bool = False):
         import torch
 
-        from benchmarks.synthetic import MODELS
-
-        torch.manual_seed(0)
-        self.model = MODELS[name]()
+        self.model = build(name)
         self.params = [pn for pn, _ in self.model.named_parameters()]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
-        self.x, self.y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-        self.stamp: dict = {}
-        for pname, prm in self.model.named_parameters():
-            prm.register_post_accumulate_grad_hook(
-                lambda _p, pname=pname, stamp=self.stamp: stamp.__setitem__(pname, time.perf_counter()))
-        self.casts = casts
-        self.steps, self.fwds, self.backs, self.ready, self.enc, self.dec = [], [], [], [], [], []
-        for _ in range(warmup):
-            self.step(record=False)
-
+        self.x, self.y = synthetic_batch(batch)
     def step(self, record: bool = True) -> None:
         import horovod.torch as hvd
         import torch.nn.functional as F
@@ -190,38 +178,28 @@ def measure_compute(name: str, batch: int, reps: int) -> dict:
     return probe.result()
 
 
-def _rank_main(args) -> None:
+def measure_codec(reps: int) -> dict:
+    """The engine's encode and decode of one bucket per transport, and Compression.fp16's two casts, all ranks
+    at once: seconds against bucket elements. The cost per element depends on the size (caches, and the page
+    faults of fresh allocations), so four sizes make a curve. Collective."""
     import horovod.torch as hvd
     import torch
 
     from hvd_terngrad import TernGradConfig
     from hvd_terngrad.engine import TernGradEngine
-    from hvd_terngrad.transport import HorovodTransport
 
-    hvd.init()
-    torch.set_num_threads(1)
     n, rank = hvd.size(), hvd.rank()
-
-    out = {"nodes": n, "compute": {}, "codec": {}, "collectives": {}}
-    for spec in args.workloads.split(","):
-        name, _, bs = spec.partition(":")
-        out["compute"][spec] = measure_compute(name, int(bs), args.compute_reps)
-
-    # The engine's work on one bucket of m elements, per transport, all ranks at once: its cost per element
-    # depends on m (caches, and the page faults of fresh allocations), so four sizes make a curve.
-    cfg = TernGradConfig(num_threads=1)
-    engines = [TernGradEngine(cfg, r, n) for r in range(n)]
+    engines = [TernGradEngine(TernGradConfig(num_threads=1), r, n) for r in range(n)]
     eng = engines[rank]
-    # "fp16": Horovod's Compression.fp16, a cast to fp16 in the hook and back after the allreduce.
+    out = {}
     for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8),
                          ("fp16", "cast")):
         pts = []
         for m in CODEC_SIZES:
-            grad = torch.randn(m)
-            out_grad = torch.empty(m)
+            grad, out_grad = torch.randn(m), torch.empty(m)
             gathered = torch.cat([e.encode([e.prepare("cal", grad)]) for e in engines]) if dtype is None else None
             enc, dec = [], []
-            for i in range(args.codec_reps + 1):
+            for i in range(reps + 1):
                 hvd.barrier()
                 t0 = time.perf_counter()
                 if dtype == "cast":
@@ -244,82 +222,110 @@ def _rank_main(args) -> None:
                     dec.append(t2 - t1)
             pts.append((m, slowest(enc), slowest(dec)))
             del gathered
-        out["codec"][tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
+        out[tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
+    return out
 
-    transport = HorovodTransport()
+
+def _starter(kind: str, nbytes: int, transport):
+    """start(i) for one `kind` call of `nbytes` per worker as training makes it: a tensor and a small one (a
+    bias, a scaler vector) fused into one call, which goes through Horovod's fusion buffer (two copies a
+    single tensor skips). It returns the handles; the int8 sum is a blocking call and returns none."""
+    import horovod.torch as hvd
+    import torch
+
+    if kind == "allreduce_int8":
+        buf = torch.zeros(nbytes, dtype=torch.int8)
+
+        def blocking_sum(_i):
+            transport.int8_sum_(buf)
+            return []
+        return blocking_sum
+    if kind == "allgather_u8":
+        bufs = [torch.zeros(nbytes - 64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+        return lambda i: [hvd.allgather_async(b, name=f"cal.ag.{i}.{j}") for j, b in enumerate(bufs)]
+    dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
+    width = 4 if dt == torch.float32 else 2
+    bufs = [torch.zeros(nbytes // width - 16, dtype=dt), torch.zeros(16, dtype=dt)]
+    return lambda i: [hvd.allreduce_async_(b, name=f"cal.ar.{i}.{j}", op=hvd.Average) for j, b in enumerate(bufs)]
+
+
+def _work_rate(until) -> float:
+    """Matrix products per second on the main thread until until() is true."""
+    import torch
+
     a = torch.randn(192, 192)
+    t0, k = time.perf_counter(), 0
+    while not until():
+        torch.mm(a, a)
+        k += 1
+    return k / (time.perf_counter() - t0)
 
-    def work_rate(until) -> float:
-        """Matrix products per second on the main thread until until() is true."""
-        t0, k = time.perf_counter(), 0
-        while not until():
-            torch.mm(a, a)
-            k += 1
-        return k / (time.perf_counter() - t0)
 
-    def wait(handles):
-        for h in handles:
-            hvd.synchronize(h)
+def measure_collective(kind: str, comm_reps: int, beside_reps: int, alone_rate: float, transport) -> dict:
+    """One collective's seconds against bytes per worker, alone (the mean: a shaped link's tail drops stall
+    TCP for a retransmission timeout now and then, and a training step pays for them) and, except for the
+    blocking int8 sum, beside compute on this worker's core together with how much it slows that compute (the
+    main thread's rate of matrix products, against alone). MPI over TCP progresses only when Horovod's thread
+    gets the core, which a computing main thread holds for its time slice: a call waits on that once per
+    message exchange, so the stretch depends on size (docs: README, performance model). Collective."""
+    import horovod.torch as hvd
 
+    n = hvd.size()
+    pts, beside, cpu = [], [], []
+    for nbytes in SIZES[kind]:
+        start = _starter(kind, nbytes, transport)
+        ts = []
+        for i in range(comm_reps + 1):
+            hvd.barrier()  # then time the call alone
+            t0 = time.perf_counter()
+            for h in start(i):
+                hvd.synchronize(h)
+            if i:
+                ts.append(time.perf_counter() - t0)
+        pts.append((nbytes, slowest(ts, mean=True)))
+        if kind == "allreduce_int8":  # a blocking call in the main thread: nothing runs beside it
+            continue
+        durs, rates = [], []
+        for i in range(beside_reps):
+            hvd.barrier()
+            t0 = time.perf_counter()
+            hs = start(-1 - i)
+            rates.append(_work_rate(lambda hs=hs: all(hvd.poll(h) for h in hs)))
+            durs.append(time.perf_counter() - t0)
+            for h in hs:
+                hvd.synchronize(h)
+        beside.append((nbytes, slowest(durs, mean=True)))
+        cpu.append((nbytes, slowest([max(0.0, min(1.0, 1.0 - sum(rates) / len(rates) / alone_rate))], mean=True)))
+    entry = {"points": pts, **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
+    if beside:
+        entry.update({"beside_compute_points": beside, "cpu_fraction_points": cpu,
+                      "stretch_beside_compute": max(1.0, beside[-1][1] / pts[-1][1]), "cpu_fraction": cpu[-1][1]})
+    else:
+        entry.update({"stretch_beside_compute": 1.0, "cpu_fraction": 1.0})
+    return entry
+
+
+def _rank_main(args) -> None:
+    """One rank of the calibration job: compute, codec and collectives, written by rank 0."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_terngrad.transport import HorovodTransport
+
+    hvd.init()
+    torch.set_num_threads(1)
+    out = {"nodes": hvd.size(), "compute": {}, "codec": {}, "collectives": {}}
+    for spec in args.workloads.split(","):
+        name, _, bs = spec.partition(":")
+        out["compute"][spec] = measure_compute(name, int(bs), args.compute_reps)
+    out["codec"] = measure_codec(args.codec_reps)
+    transport = HorovodTransport()
     hvd.barrier()
     t_end = time.perf_counter() + 0.5
-    alone = work_rate(lambda: time.perf_counter() > t_end)
-    for kind, sizes in SIZES.items():
-        pts, beside, cpu = [], [], []
-        for nbytes in sizes:
-            # Horovod calls as training makes them: a tensor and a small one (a bias, a scaler vector) fused
-            # into one call, which goes through Horovod's fusion buffer (two copies a single tensor skips)
-            if kind == "allgather_u8":
-                bufs = [torch.zeros(nbytes - 64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
-                start = lambda i, bufs=bufs: [hvd.allgather_async(b, name=f"cal.ag.{i}.{j}")  # noqa: E731
-                                              for j, b in enumerate(bufs)]
-            elif kind == "allreduce_int8":
-                buf = torch.zeros(nbytes, dtype=torch.int8)
-                start = lambda i, buf=buf: transport.int8_sum_(buf)  # noqa: E731  (blocking)
-            else:
-                dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
-                width = 4 if dt == torch.float32 else 2
-                bufs = [torch.zeros(nbytes // width - 16, dtype=dt), torch.zeros(16, dtype=dt)]
-                start = lambda i, bufs=bufs: [hvd.allreduce_async_(b, name=f"cal.ar.{i}.{j}", op=hvd.Average)  # noqa: E731
-                                              for j, b in enumerate(bufs)]
-            ts = []
-            for i in range(args.comm_reps + 1):
-                hvd.barrier()  # then time the call alone
-                t0 = time.perf_counter()
-                hs = start(i)
-                if kind != "allreduce_int8":
-                    wait(hs)
-                if i:
-                    ts.append(time.perf_counter() - t0)
-            # the mean: a shaped link's tail drops stall TCP for a retransmission timeout now and then
-            # (30 MB over ethernet-1g took 255 ms, or 400 with a stall), and a training step pays for them
-            pts.append((nbytes, slowest(ts, mean=True)))
-            if kind == "allreduce_int8":  # a blocking call in the main thread: nothing runs beside it
-                continue
-            # The same call beside compute on this worker's core: how long it takes then, and how much it
-            # slows compute (the main thread's rate of matrix products, against alone). MPI over TCP
-            # progresses only when Horovod's thread gets the core, which a computing main thread holds for
-            # its time slice: a call waits on that once per message exchange, so the stretch depends on
-            # size (ethernet-1g, 4 nodes: 0.5 MB 11x, 2 MB 3.6x, 8 MB 1.7x, 25 MB 1.2x).
-            durs, rates = [], []
-            for i in range(args.beside_reps):
-                hvd.barrier()
-                t0 = time.perf_counter()
-                hs = start(-1 - i)
-                rates.append(work_rate(lambda hs=hs: all(hvd.poll(h) for h in hs)))
-                durs.append(time.perf_counter() - t0)
-                wait(hs)
-            beside.append((nbytes, slowest(durs, mean=True)))
-            cpu.append((nbytes, slowest([max(0.0, min(1.0, 1.0 - sum(rates) / len(rates) / alone))], mean=True)))
-        entry = {"points": pts, **fit([(bandwidth_bytes(kind, b, n), s) for b, s in pts])}
-        if beside:
-            entry.update({"beside_compute_points": beside, "cpu_fraction_points": cpu,
-                          "stretch_beside_compute": max(1.0, beside[-1][1] / pts[-1][1]),
-                          "cpu_fraction": cpu[-1][1]})
-        else:
-            entry.update({"stretch_beside_compute": 1.0, "cpu_fraction": 1.0})
-        out["collectives"][kind] = entry
-    if rank == 0:
+    alone = _work_rate(lambda: time.perf_counter() > t_end)
+    for kind in SIZES:
+        out["collectives"][kind] = measure_collective(kind, args.comm_reps, args.beside_reps, alone, transport)
+    if hvd.rank() == 0:
         Path(args.json).write_text(json.dumps(out))
 
 
@@ -330,7 +336,7 @@ def calibrate(cluster, workloads: str = DEFAULT_WORKLOADS, timeout: float = 900,
         path = Path(f.name)
     reps = ["--compute-reps", "3", "--comm-reps", "2", "--codec-reps", "3", "--beside-reps", "1"] if quick else []
     try:
-        res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--rank-probe", "--json", str(path),
+        res = cluster.run([sys.executable, "-m", "benchmarks.calibrate", "--rank-probe", "--json", str(path),
                            "--workloads", workloads, *reps], timeout=timeout)
         if res.returncode != 0 or not path.read_text().strip():
             raise RuntimeError(f"calibration on {cluster.describe()} failed (exit {res.returncode}):\n"

@@ -1,9 +1,9 @@
 """Throughput sweep on emulated clusters: {models} x {fp32, fp16, terngrad} x {ethernet-1g, fast} x {2, 4} nodes.
 
-    python benchmarks/sweep.py                 # the full sweep (about 12 minutes on 2 cores)
-    python benchmarks/sweep.py --calibrate     # and the performance model's inputs per cluster (16 minutes)
-    python benchmarks/sweep.py --quick         # fewer iterations
-    python benchmarks/sweep.py --models alexnet --nodes 2,4,8 --profiles ethernet-1g
+    python -m benchmarks.sweep                 # the full sweep (about 12 minutes on 2 cores)
+    python -m benchmarks.sweep --calibrate     # and the performance model's inputs per cluster (16 minutes)
+    python -m benchmarks.sweep --quick         # fewer iterations
+    python -m benchmarks.sweep --models alexnet --nodes 2,4,8 --profiles ethernet-1g --methods fp32,terngrad:summed
 
 Every configuration runs in the same sweep, so the ratios are side by side. Writes into --out (default
 results/): sweep.json (every run, the probed links, wire-byte counters, with --calibrate the
@@ -20,23 +20,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.calibrate import calibrate, summary  # noqa: E402
-from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster  # noqa: E402
-
-COMPRESSIONS = ("fp32", "fp16", "terngrad")
+from benchmarks.calibrate import calibrate, summary
+from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster
+from benchmarks.methods import parse_method
 
 
 def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
-    """method: fp32, fp16, terngrad or terngrad:<transport> (allgather, summed, summed-int8, auto)."""
-    compression, _, transport = method.partition(":")
+    """One synthetic.py job of `method` (benchmarks/methods.py) on the cluster; its result row."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         out = Path(f.name)
-    argv = [sys.executable, "benchmarks/synthetic.py", "--model", model, "--compression", compression,
-            "--transport", transport or "allgather",
+    argv = [sys.executable, "-m", "benchmarks.synthetic", "--model", model, "--method", method,
             "--batch-size", str(args.batch_size), "--num-warmup-batches", str(args.warmup),
             "--num-batches-per-iter", str(args.per_iter), "--num-iters", str(args.iters), "--iface", "eth0",
-            "--json", str(out), "--optimizer", args.optimizer] + (["--compute-probe", "1"] if args.calibrate else [])
+            "--json", str(out)] + (["--compute-probe", "1"] if args.calibrate else [])
     t0 = time.perf_counter()
     res = cluster.run(argv, timeout=args.timeout)
     try:
@@ -52,8 +48,7 @@ def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
 
 
 def _method(r: dict) -> str:
-    m = r.get("method") or r["compression"]
-    return "terngrad" if m == "terngrad:allgather" else m
+    return parse_method(r.get("method") or r["compression"]).name
 
 
 def transport_table(rows: list[dict]) -> str:
@@ -132,15 +127,14 @@ def plot(rows: list[dict], probes: dict, path: Path) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="alexnet,vgg,googlenet,mlp")
-    ap.add_argument("--compressions", default=",".join(COMPRESSIONS),
-                    help="fp32, fp16, terngrad, or terngrad:<transport> (summed, summed-int8, auto)")
+    ap.add_argument("--methods", default="fp32,fp16,terngrad",
+                    help="fp32, fp16, terngrad, or terngrad:<modifiers> (benchmarks/methods.py)")
     ap.add_argument("--profiles", default="ethernet-1g,fast")
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--per-iter", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--optimizer", default="hvd_terngrad", choices=("hvd_terngrad", "stock"))
     ap.add_argument("--quick", action="store_true", help="1 warm-up batch, 2 iterations of 2 batches")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="results")
@@ -151,7 +145,7 @@ def main(argv=None):
     if args.quick:
         args.warmup, args.per_iter, args.iters = 1, 2, 2
     models = args.models.split(",")
-    comps = args.compressions.split(",")
+    comps = [parse_method(m).name for m in args.methods.split(",")]
     profiles = args.profiles.split(",")
     nodes = [int(n) for n in args.nodes.split(",")]
     out = Path(args.out)

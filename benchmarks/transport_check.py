@@ -1,6 +1,6 @@
 """Compare hvd_terngrad.commcost's communication time with the measured one, for every TernGrad run of a sweep.
 
-    python benchmarks/transport_check.py results/transports/sweep.json
+    python -m benchmarks.transport_check results/transports/sweep.json
 
 Prediction: the coded elements of the model (TernGradConfig defaults) through the run's transport, plus the
 scaler Max allreduce and the float pass-through tensors, on the probed link (bandwidth, RTT / 2 latency).

@@ -1,0 +1,78 @@
+"""One vocabulary for how gradients travel, used by every tool: a method name and the optimizer it builds.
+
+    fp32                     plain Horovod
+    fp16                     Horovod's Compression.fp16
+    terngrad                 hvd_terngrad.DistributedOptimizer, paper defaults, allgather transport
+    terngrad:<modifier>...   with modifiers, in any order:
+        summed, summed-int8, auto, allgather    the transport
+        stock                                   hvd.DistributedOptimizer(compression=TernGrad(...)) instead
+        noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
+
+`parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
+default transport left out. No Horovod is imported until an optimizer is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPRESSIONS = ("fp32", "fp16", "terngrad")
+TRANSPORTS = ("allgather", "summed", "summed-int8", "auto")
+OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True)}
+
+
+@dataclass(frozen=True)
+class Method:
+    compression: str = "terngrad"
+    transport: str = "allgather"
+    stock: bool = False  # TernGrad through the stock hvd.DistributedOptimizer
+    options: tuple[str, ...] = ()  # keys of OPTIONS, in their order
+
+    @property
+    def name(self) -> str:
+        if self.compression != "terngrad":
+            return self.compression
+        mods = ([self.transport] if self.transport != "allgather" else []) + (["stock"] if self.stock else [])
+        return ":".join(["terngrad", *mods, *self.options])
+
+    @property
+    def optimizer(self) -> str:
+        return "stock" if self.stock or self.compression != "terngrad" else "hvd_terngrad"
+
+    def terngrad_options(self) -> dict:
+        return dict([OPTIONS[o] for o in self.options], transport=self.transport)
+
+
+def parse_method(text: str) -> Method:
+    """A Method from its name; ValueError naming what is allowed otherwise."""
+    base, *mods = text.strip().split(":")
+    if base not in COMPRESSIONS:
+        raise ValueError(f"unknown method {text!r}: it starts with one of {', '.join(COMPRESSIONS)}")
+    if base != "terngrad":
+        if mods:
+            raise ValueError(f"method {text!r}: only terngrad takes modifiers")
+        return Method(base)
+    transports = [m for m in mods if m in TRANSPORTS]
+    unknown = [m for m in mods if m not in TRANSPORTS and m != "stock" and m not in OPTIONS]
+    if unknown or len(transports) > 1 or len(set(mods)) != len(mods):
+        raise ValueError(f"method {text!r}: modifiers are one transport of {', '.join(TRANSPORTS)}, 'stock', "
+                         f"and any of {', '.join(OPTIONS)}, each once")
+    return Method("terngrad", transports[0] if transports else "allgather", "stock" in mods,
+                  tuple(o for o in OPTIONS if o in mods))
+
+
+def build_optimizer(method: Method, model, base, seed: int = 0):
+    """(Horovod optimizer wrapping `base`, the TernGrad compressor or None) for `method`."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    named = list(model.named_parameters())
+    if method.compression == "fp32":
+        return hvd.DistributedOptimizer(base, named_parameters=named), None
+    if method.compression == "fp16":
+        return hvd.DistributedOptimizer(base, named_parameters=named, compression=hvd.Compression.fp16), None
+    if method.stock:
+        tg = hvd_terngrad.TernGrad(named, seed=seed, **method.terngrad_options())
+        return hvd.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
+    tg = hvd_terngrad.TernGrad(seed=seed, **method.terngrad_options())
+    return hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg), tg

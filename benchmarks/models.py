@@ -1,0 +1,156 @@
+"""The benchmark models: CPU-sized versions of the paper's model families, their input, and how their
+parameters divide under TernGrad's default policy. No Horovod: the performance model reads these offline.
+
+    alexnet    AlexNet-style, FC-heavy: two small convs, then 1600 -> 2048 -> 2048 -> 10 (7.5 M parameters)
+    vgg        VGG-A-style: 8 conv layers 64 .. 256, two 512-wide FC layers (3.7 M)
+    googlenet  GoogLeNet-style, conv-heavy: inception blocks, global pooling, one FC (0.35 M)
+    mlp        3072 -> 2048 -> 2048 -> 10 (10.5 M)
+    wide       3072 -> 4096 -> 10 (12.6 M), little compute: for transport sweeps at batch size 4
+    tiny       3072 -> 128 -> 10, for smoke tests
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hvd_terngrad import TernGradConfig
+
+INPUT_SHAPE = (3, 32, 32)  # CIFAR-sized images
+NUM_CLASSES = 10
+_INPUT_NUMEL = INPUT_SHAPE[0] * INPUT_SHAPE[1] * INPUT_SHAPE[2]
+
+
+class AlexNetS(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(INPUT_SHAPE[0], 32, 5)
+        self.conv2 = nn.Conv2d(32, 64, 5)
+        self.fc1 = nn.Linear(64 * 5 * 5, 2048)
+        self.fc2 = nn.Linear(2048, 2048)
+        self.fc3 = nn.Linear(2048, NUM_CLASSES)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc3(F.relu(self.fc2(x)))
+
+
+class VGGAS(nn.Module):
+    def __init__(self):
+        super().__init__()
+        cfg = [64, "M", 128, "M", 256, 256, "M", 256, 256, "M", 256, 256, "M"]
+        layers, c = [], INPUT_SHAPE[0]
+        for v in cfg:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
+                c = v
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Linear(256, 512), nn.ReLU(inplace=True), nn.Linear(512, 512),
+                                        nn.ReLU(inplace=True), nn.Linear(512, NUM_CLASSES))
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+class Inception(nn.Module):
+    def __init__(self, c_in, c1, c3r, c3, c5r, c5, cp):
+        super().__init__()
+        self.b1 = nn.Conv2d(c_in, c1, 1)
+        self.b3 = nn.Sequential(nn.Conv2d(c_in, c3r, 1), nn.ReLU(inplace=True), nn.Conv2d(c3r, c3, 3, padding=1))
+        self.b5 = nn.Sequential(nn.Conv2d(c_in, c5r, 1), nn.ReLU(inplace=True), nn.Conv2d(c5r, c5, 5, padding=2))
+        self.bp = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c_in, cp, 1))
+
+    def forward(self, x):
+        return F.relu(torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], 1))
+
+
+class GoogLeNetS(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(INPUT_SHAPE[0], 64, 3, padding=1), nn.ReLU(inplace=True))
+        self.i3a = Inception(64, 32, 48, 64, 8, 16, 16)
+        self.i3b = Inception(128, 64, 64, 96, 16, 48, 32)
+        self.i4a = Inception(240, 96, 48, 104, 8, 24, 32)
+        self.i4b = Inception(256, 80, 56, 112, 12, 32, 32)
+        self.fc = nn.Linear(256, NUM_CLASSES)
+
+    def forward(self, x):
+        x = self.i3b(self.i3a(self.stem(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.max_pool2d(self.i4b(self.i4a(x)), 2)
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(_INPUT_NUMEL, 2048), nn.ReLU(inplace=True),
+                                 nn.Linear(2048, 2048), nn.ReLU(inplace=True), nn.Linear(2048, NUM_CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class FC(nn.Module):
+    """3072 -> hidden -> 10: `wide` (4096, 12.6 M parameters, communication-bound) and `tiny` (128, smoke tests)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(_INPUT_NUMEL, hidden), nn.ReLU(inplace=True),
+                                 nn.Linear(hidden, NUM_CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP,
+          "wide": functools.partial(FC, 4096), "tiny": functools.partial(FC, 128)}
+
+
+def synthetic_batch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels of the models' input."""
+    return torch.randn(batch, *INPUT_SHAPE), torch.randint(0, NUM_CLASSES, (batch,))
+
+
+def build(name: str) -> nn.Module:
+    """A model by name, with the same initial weights every time (seed 0)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def param_sizes(name: str) -> list[tuple[str, int]]:
+    """(name, numel) of each parameter, in registration order."""
+    return [(n, p.numel()) for n, p in build(name).named_parameters()]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a model's gradient divides under TernGrad's default policy."""
+
+    coded: int  # elements TernGrad codes
+    tensors: int  # coded tensors
+    floats: int  # elements that pass through in float
+
+    @property
+    def total(self) -> int:
+        return self.coded + self.floats
+
+
+def split_of(model: nn.Module) -> Split:
+    cfg = TernGradConfig()
+    coded = tensors = floats = 0
+    for name, p in model.named_parameters():
+        if cfg.compresses(name, p.numel()):
+            coded, tensors = coded + p.numel(), tensors + 1
+        else:
+            floats += p.numel()
+    return Split(coded, tensors, floats)
