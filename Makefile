@@ -15,7 +15,7 @@ install:
 
 # rank 0's report without horovodrun's tags; every rank's output in build/train-logs/
 train: install
-	@set -o pipefail; timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) examples/train_digits.py 2>&1 \
+	@set -o pipefail; timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits 2>&1 \
 		| $(PY) scripts/rank0_report.py build/train-logs
 
 lint: install
@@ -26,10 +26,10 @@ test: install
 	@$(PY) -m pytest tests -q -ra --timeout 600
 
 bench-codec: install
-	@$(PY) benchmarks/codec_bench.py
+	@$(PY) -m benchmarks.codec_bench
 
 bench-fidelity: install
-	@timeout 1800 $(VENV)/bin/horovodrun -np 4 $(PY) benchmarks/fidelity.py
+	@timeout 1800 $(VENV)/bin/horovodrun -np 4 $(PY) -m benchmarks.fidelity
 
 clean:
 	rm -rf build hvd_terngrad/*.so *.egg-info

@@ -108,6 +108,15 @@ class ComputeProbe:
         self.params = [pn for pn, _ in self.model.named_parameters()]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.x, self.y = synthetic_batch(batch)
+        self.stamp: dict = {}
+        for pname, prm in self.model.named_parameters():
+            prm.register_post_accumulate_grad_hook(
+                lambda _p, pname=pname, stamp=self.stamp: stamp.__setitem__(pname, time.perf_counter()))
+        self.casts = casts
+        self.steps, self.fwds, self.backs, self.ready, self.enc, self.dec = [], [], [], [], [], []
+        for _ in range(warmup):
+            self.step(record=False)
+
     def step(self, record: bool = True) -> None:
         import horovod.torch as hvd
         import torch.nn.functional as F

@@ -1,8 +1,8 @@
 """Emulated cluster: N nodes, each a network namespace with a veth into a bridge, links shaped to a profile.
 
-    python benchmarks/cluster.py probe --profile ethernet-1g
-    python benchmarks/cluster.py run --nodes 4 --profile ethernet-1g -- \\
-        python benchmarks/synthetic.py --model alexnet --compression terngrad
+    python -m benchmarks.cluster probe --profile ethernet-1g
+    python -m benchmarks.cluster run --nodes 4 --profile ethernet-1g -- \\
+        python -m benchmarks.synthetic --model alexnet --method terngrad
 
 Profiles: ethernet-1g (1 Gbit/s, tbf, on both directions of every node's link, plus 0.1 ms delay where
 the kernel has sch_netem), fast (unshaped veth; labeled with its measured bandwidth, and no InfiniBand),

@@ -1,6 +1,6 @@
 """Codec throughput, side by side in one run: GB/s of fp32 gradient, higher is better.
 
-    python benchmarks/codec_bench.py [--sizes 1M,16M,64M] [--json out.json]
+    python -m benchmarks.codec_bench [--sizes 1M,16M,64M] [--json out.json]
 
 Encode = ternarize + pack (the scaler given); stats is the separate statistics pass. Baselines:
 - memcpy: a single-thread numpy copy of the same fp32 array (the memory-bound ceiling of one core);

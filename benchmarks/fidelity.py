@@ -1,6 +1,6 @@
 """Fidelity: test accuracy of TernGrad against FP32 on digits, several seeds, with ablations.
 
-    horovodrun -np 4 python benchmarks/fidelity.py [--seeds 0,1,2] [--epochs 12] [--json out.json]
+    horovodrun -np 4 python -m benchmarks.fidelity [--seeds 0,1,2] [--epochs 12] [--json out.json]
 
 Every method trains the same CNN from the same initialization per seed (examples/train_digits.py); the
 table gives the mean and spread of the final test accuracy over seeds and the gap to FP32 in points.
@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.train_digits import run  # noqa: E402
+from examples.train_digits import run
 
-DEFAULT_METHODS = "fp32,terngrad,terngrad-noclip,terngrad-noshare"
+DEFAULT_METHODS = "fp32,terngrad,terngrad:noclip,terngrad:noshare"
 
 
 def fidelity(methods: list[str], seeds: list[int], epochs: int, lr: float = 0.05) -> dict:

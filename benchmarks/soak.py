@@ -1,6 +1,6 @@
 """Long run: many TernGrad steps of a small model, reporting resident memory (RSS) growth per rank.
 
-    horovodrun -np 2 python benchmarks/soak.py --steps 10000
+    horovodrun -np 2 python -m benchmarks.soak --steps 10000
 
 RSS is read from /proc/self/statm after a warm-up; growth per step over the rest of the run shows leaks
 (a leak of one gradient-sized buffer per step would be ~100 KB/step here).
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import hvd_terngrad  # noqa: E402
+import hvd_terngrad
 
 
 def rss_bytes() -> int:

@@ -12,27 +12,37 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.perf_model import split_of  # noqa: E402
-from benchmarks.synthetic import MODELS  # noqa: E402
-from hvd_terngrad.commcost import Link, allreduce_time, choose_transport, transport_time  # noqa: E402
+from benchmarks.models import build, split_of
+from hvd_terngrad.commcost import (
+    Link,
+    allgather_bytes,
+    allreduce_bytes,
+    allreduce_time,
+    choose_transport,
+    transport_time,
+)
+from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
+
+# A record's codes are padded to a multiple of 8 bytes: about this much per tensor.
+PADDING_BYTES = 8
 
 
 def split(model: str) -> tuple[int, int, int]:
     """(coded elements, coded tensors, float elements) under the default options."""
-    s = split_of(MODELS[model]())
+    s = split_of(build(model))
     return s.coded, s.tensors, s.floats
 
 
 def predict_bytes(row: dict) -> float:
-    """Bytes a node sends per step under ring algorithms: the model behind perfmodel's bandwidth terms."""
+    """Bytes a node sends per step under ring algorithms: commcost's bandwidth terms."""
     coded, tensors, floats = split(row["model"])
     n = row["nodes"]
     transport = row.get("transport") or "allgather"
-    ring = 2 * (n - 1) / n
-    per = {"allgather": (n - 1) * (coded / 4 + 24 * tensors + 8 * tensors), "summed": ring * 2 * coded,
-           "summed-int8": ring * coded}[transport]
-    return per + ring * (16 * tensors + 4 * floats)
+    if transport == "allgather":
+        per = allgather_bytes(coded / 4 + HEADER_SIZE * tensors + PADDING_BYTES * tensors, n)
+    else:
+        per = allreduce_bytes((2 if transport == "summed" else 1) * coded, n)
+    return per + allreduce_bytes(SCALER_ENTRY_BYTES * tensors + 4 * floats, n)
 
 
 def predict(row: dict, link: Link) -> float:
@@ -41,7 +51,7 @@ def predict(row: dict, link: Link) -> float:
     transport = row.get("transport") or "allgather"
     if transport == "auto":
         transport = choose_transport(coded, n, link, int8=True)
-    return (transport_time(transport, coded, n, link) + allreduce_time(16 * tensors, n, link)
+    return (transport_time(transport, coded, n, link) + allreduce_time(SCALER_ENTRY_BYTES * tensors, n, link)
             + allreduce_time(4 * floats, n, link))
 
 

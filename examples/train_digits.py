@@ -1,7 +1,10 @@
 """Train a small CNN on scikit-learn's digits (real data, bundled) with Horovod: FP32, then TernGrad.
 
-    horovodrun -np 2 python examples/train_digits.py            # the README's main command (make train)
-    horovodrun -np 4 python examples/train_digits.py --methods fp32,terngrad,terngrad-noclip --epochs 15
+    horovodrun -np 2 python -m examples.train_digits            # the README's main command (make train)
+    horovodrun -np 4 python -m examples.train_digits --methods fp32,terngrad,terngrad:noclip --epochs 15
+
+Methods are named as everywhere in this project (benchmarks/methods.py): fp32, fp16, terngrad, and
+terngrad with modifiers such as :stock (the stock hvd.DistributedOptimizer), :noclip, :noshare, :ef, :summed.
 
 Each worker trains on its shard of the training split; every epoch rank 0 prints the test accuracy, the
 bytes this worker sent per step and the compression ratio. At the end a side-by-side table compares methods.
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,19 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import hvd_terngrad  # noqa: E402
-
-METHODS = {
-    # name: (optimizer wrapper, TernGrad options or None for plain Horovod)
-    "fp32": ("stock", None),
-    "fp16": ("stock", "fp16"),
-    "terngrad": ("hvd_terngrad", {}),
-    "terngrad-stock": ("stock", {}),
-    "terngrad-noclip": ("hvd_terngrad", {"clip": 0.0}),
-    "terngrad-noshare": ("hvd_terngrad", {"share_scaler": False}),
-    "terngrad-ef": ("hvd_terngrad", {"error_feedback": True}),
-}
+from benchmarks.methods import build_optimizer, parse_method
 
 
 class DigitsCNN(nn.Module):
@@ -82,28 +72,14 @@ def _say(msg: str) -> None:
 def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: float = 0.05,
         progress: bool = False, log=_say) -> dict:
     """Train one method in an hvd.init()-ed process; returns per-epoch accuracy and traffic figures."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-    wrapper, opts = METHODS[method]
+    how = parse_method(method)
     (xtr, ytr), (xte, yte) = load_data()
     rank, size = hvd.rank(), hvd.size()
     xs, ys = xtr[rank::size], ytr[rank::size]
     torch.manual_seed(seed)
     model = DigitsCNN()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    named = list(model.named_parameters())
-    tg = None
-    if opts is None:
-        opt = hvd.DistributedOptimizer(base, named_parameters=named)
-    elif opts == "fp16":
-        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=hvd.Compression.fp16)
-    elif wrapper == "stock":
-        tg = hvd_terngrad.TernGrad(named, seed=seed, **opts)
-        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg)
-    else:
-        tg = hvd_terngrad.TernGrad(seed=seed, **opts)
-        opt = hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+    opt, tg = build_optimizer(how, model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), seed=seed)
 
     steps = (len(ys) + batch_size - 1) // batch_size
     steps = hvd.allreduce(torch.tensor(steps), op=hvd.Min, name=f"steps.{method}.{seed}").item()
@@ -123,7 +99,7 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
                 sent += last.bytes_sent
                 ratio += last.ratio
             else:
-                nb = dense_bytes(model) // (2 if opts == "fp16" else 1)
+                nb = dense_bytes(model) // (2 if how.compression == "fp16" else 1)
                 sent += nb
                 ratio += dense_bytes(model) / nb
         acc = accuracy(model, xte, yte)
@@ -152,7 +128,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="fp32,terngrad", help=f"comma-separated, from: {', '.join(METHODS)}")
+    ap.add_argument("--methods", default="fp32,terngrad", help="comma-separated method names (benchmarks/methods.py)")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -163,8 +139,10 @@ def main(argv=None):
     torch.set_num_threads(1)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
-            ap.error(f"unknown method {m!r}; allowed: {', '.join(METHODS)}")
+        try:
+            parse_method(m)
+        except ValueError as exc:
+            ap.error(str(exc))
     if hvd.rank() == 0:
         print(f"digits CNN, {hvd.size()} workers, {args.epochs} epochs, batch {args.batch_size}/worker\n", flush=True)
     results = [run(m, seed=args.seed, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, progress=True)

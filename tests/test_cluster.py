@@ -38,7 +38,7 @@ def test_two_node_smoke_run_over_a_shaped_link(tmp_path):
             probe = c.probe(seconds=1.0)
             assert 80 < probe["bandwidth_MBps"] < 130  # 1 Gbit/s = 125 MB/s
             out = tmp_path / "r.jsonl"
-            res = c.run([sys.executable, "benchmarks/synthetic.py", "--model", "tiny", "--compression", "terngrad",
+            res = c.run([sys.executable, "-m", "benchmarks.synthetic", "--model", "tiny", "--method", "terngrad",
                          "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2",
                          "--iface", "eth0", "--json", str(out), "--compute-probe", "1"], timeout=120)
             assert res.returncode == 0, res.stdout[-3000:]
@@ -99,7 +99,7 @@ def test_refuses_clearly_without_root():
 
 def test_calibration_probe_measures_every_input_of_the_model():
     from benchmarks.calibrate import SIZES, calibrate
-    from benchmarks.perf_model import Host, host_step_seconds
+    from benchmarks.timeline import Host, host_step_seconds
 
     with EmulatedCluster(2, PROFILES["fast"]) as c:
         cal = calibrate(c, "tiny:8", timeout=300, quick=True)

@@ -42,7 +42,7 @@ def test_compose_runs_two_workers_with_terngrad():
     spec = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     assert set(spec["services"]) == {"worker1", "worker2"}
     cmd = " ".join(spec["services"]["worker1"]["command"])
-    assert "horovodrun -np 2 -H worker1:1,worker2:1" in cmd and "--compression terngrad" in cmd
+    assert "horovodrun -np 2 -H worker1:1,worker2:1" in cmd and "--method terngrad" in cmd
     assert spec["networks"]["cluster"]["internal"] is True
 
 

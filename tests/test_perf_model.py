@@ -1,7 +1,8 @@
 """The performance model's arithmetic (benchmarks/perf_model.py, hvd_terngrad/commcost.py)."""
 import pytest
 
-from benchmarks.perf_model import CLUSTERS, GPU_CODEC, PAPER_MODELS, Split, comm_seconds, step_seconds
+from benchmarks.models import Split
+from benchmarks.perf_model import CLUSTERS, GPU_CODEC, PAPER_MODELS, comm_seconds, step_seconds
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
 
 LINK = Link(bandwidth=100e6, latency=0.0)
@@ -48,9 +49,9 @@ def test_paper_inputs_are_named_and_positive():
 
 
 # ---------------------------------------------------------------------------------------------
-# The calibrated model of the emulated cluster (benchmarks/calibrate.py + perf_model.host_step_seconds).
+# The calibrated model of the emulated cluster (benchmarks/calibrate.py + timeline.host_step_seconds).
 from benchmarks.calibrate import bandwidth_bytes, fit  # noqa: E402
-from benchmarks.perf_model import Curve, Host, host_step_seconds  # noqa: E402
+from benchmarks.timeline import Curve, Host, host_step_seconds  # noqa: E402
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -92,9 +93,9 @@ def test_without_overlap_the_step_is_compute_plus_comm():
 
 def test_overlap_hides_communication_behind_backward_only():
     # every gradient ready at the start of backward: communication overlaps all of backward
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
 
-    early = {n: 0.0 for n, _ in _params_of("mlp")}
+    early = {n: 0.0 for n, _ in param_sizes("mlp")}
     host = _host(bandwidth=1e9, ready=early)
     st = host_step_seconds("fp32", "mlp", 32, host)
     flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)
@@ -117,9 +118,9 @@ def test_terngrad_step_pays_codec_and_far_fewer_bytes():
 def test_cpu_bound_communication_does_not_hide_behind_backward():
     from dataclasses import replace
 
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
 
-    early = {n: 0.0 for n, _ in _params_of("mlp")}
+    early = {n: 0.0 for n, _ in param_sizes("mlp")}
     host = _host(bandwidth=1e9, ready=early)
     busy = replace(host, cpu={k: Curve([(1e3, 1.0), (1e8, 1.0)]) for k in host.curves})
     flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
@@ -130,11 +131,11 @@ def test_cpu_bound_communication_does_not_hide_behind_backward():
 def test_waiting_requests_of_one_kind_fuse_past_others():
     # every gradient ready at once: Horovod fuses the buckets' scaler Max allreduces into one call, apart from
     # the pass-through floats' Average allreduce, whatever order they were submitted in
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
     from hvd_terngrad import TernGradConfig
-    from hvd_terngrad.optimizer import plan_buckets
+    from hvd_terngrad.buckets import plan_buckets
 
-    params = _params_of("mlp")
+    params = param_sizes("mlp")
     host = _host(ready={n: 0.0 for n, _ in params})
     trace = []
     host_step_seconds("terngrad", "mlp", 32, host, trace=trace)
@@ -149,9 +150,9 @@ def test_waiting_requests_of_one_kind_fuse_past_others():
 def test_stretch_beside_compute_is_read_per_size():
     from dataclasses import replace
 
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
 
-    host = _host(bandwidth=1e9, ready={n: 0.0 for n, _ in _params_of("mlp")})
+    host = _host(bandwidth=1e9, ready={n: 0.0 for n, _ in param_sizes("mlp")})
     flat = host_step_seconds("fp32", "mlp", 32, host, overlap=False)["total"]
     free = host_step_seconds("fp32", "mlp", 32, host)["total"]
     sizes = [1e3, 1e6, 1e8]
@@ -170,9 +171,9 @@ def test_codec_work_after_backward_slows_collectives_in_flight():
     # decodes synchronize() runs on the main thread: the step is then compute + codec + comm, in series
     from dataclasses import replace
 
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
 
-    host = _host(bandwidth=1e8, ready={n: 0.0 for n, _ in _params_of("mlp")})
+    host = _host(bandwidth=1e8, ready={n: 0.0 for n, _ in param_sizes("mlp")})
     sizes = [1e3, 1e6, 1e8]
     cpu0 = {k: Curve([(b, 0.0) for b in sizes]) for k in host.curves}
     same = replace(host, beside=dict(host.curves), cpu=cpu0)
@@ -187,9 +188,9 @@ def test_codec_work_after_backward_slows_collectives_in_flight():
 def test_fp16_casts_come_from_the_probe_and_a_result_is_cast_back_while_later_calls_run():
     # Compression.fp16: cast in the hook, cast back in synchronize() as each result arrives. The job's probe
     # times the casts with training's allocations; the calibration's curves are only the fallback.
-    from benchmarks.perf_model import _params_of
+    from benchmarks.models import param_sizes
 
-    params = _params_of("mlp")  # net.1 6.3 M, net.3 4.2 M, net.5 20 K elements (+ biases)
+    params = param_sizes("mlp")  # net.1 6.3 M, net.3 4.2 M, net.5 20 K elements (+ biases)
     ready = {n: 0.06 if n.startswith("net.1") else 0.03 if n.startswith("net.3") else 0.0 for n, _ in params}
     host = _host(bandwidth=1e8, ready=ready)
     host.codec["fp16"] = host.codec["allgather"]  # 1 ns per element each way
