@@ -92,6 +92,18 @@ def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), lau
         shutil.rmtree(work, ignore_errors=True)
 
 
+def run_ranks_failing(target: str, np: int, within: float, args: tuple = (), timeout: float = 90.0) -> str:
+    """Run a body that must fail: the RankFailure's report, asserting the job ended within `within` seconds."""
+    t0 = time.monotonic()
+    try:
+        run_ranks(target, np=np, timeout=timeout, args=args)
+    except RankFailure as exc:
+        elapsed = time.monotonic() - t0
+        assert elapsed < within, f"{target} failed only after {elapsed:.0f} s (bound {within:.0f} s)"
+        return str(exc)
+    raise AssertionError(f"{target} on {np} ranks finished although it should have failed")
+
+
 def _kill(proc: subprocess.Popen, work: Path) -> None:
     pids = []
     for f in work.glob("rank*.pid"):

@@ -1,5 +1,4 @@
 """Hardening: a lost rank, gradients of every shape and dtype, fuzzing of the codec and the records."""
-import time
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ from hypothesis import strategies as st
 
 from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
 from hvd_terngrad.codec import reference
-from tests.mpi_harness import RankFailure, run_ranks
+from tests.mpi_harness import run_ranks, run_ranks_failing
 
 FUZZ_CASES = 10_000
 
@@ -44,12 +43,7 @@ def body_killed_rank(front):
 @pytest.mark.mpi
 @pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
 def test_sigkilled_rank_ends_the_job_within_60s(front):
-    t0 = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        run_ranks("tests.test_hardening:body_killed_rank", np=3, timeout=90, args=(front,))
-    elapsed = time.monotonic() - t0
-    msg = str(info.value)
-    assert elapsed < 60, elapsed
+    msg = run_ranks_failing("tests.test_hardening:body_killed_rank", np=3, within=60, args=(front,))
     assert "signal 9" in msg or "Killed" in msg, msg[-2000:]
 
 
@@ -73,11 +67,7 @@ def body_int8_peer_never_joins():
 
 @pytest.mark.mpi
 def test_int8_sum_that_never_completes_aborts_the_job_with_a_clear_error():
-    t0 = time.monotonic()
-    with pytest.raises(RankFailure) as info:
-        run_ranks("tests.test_hardening:body_int8_peer_never_joins", np=2, timeout=90)
-    msg = str(info.value)
-    assert time.monotonic() - t0 < 60
+    msg = run_ranks_failing("tests.test_hardening:body_int8_peer_never_joins", np=2, within=60)
     assert ("rank 0 waited 3 s for the int8 code-sum allreduce of bucket 0 ('fc.weight', ...)" in msg
             and "Aborting the job" in msg), msg[-3000:]
 
