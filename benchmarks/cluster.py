@@ -90,8 +90,8 @@ class EmulatedCluster:
         self.nodes = nodes
         self.profile = profile
         # Node i runs on core cpus[i % len(cpus)]. Unpinned, the scheduler moves N ranks and their Horovod
-        # threads across the shared cores unevenly: on 2 cores, AlexNet's compute at N = 4 took 100 to 200 ms
-        # from run to run (one worker: 47 ms); pinned, 103-106 ms, the even share a dedicated node would get.
+        # threads across the shared cores unevenly, and compute time varies twofold from run to run; pinned,
+        # each node gets the even share a dedicated node would (figures: README, emulated clusters).
         self.cpus = sorted(os.sched_getaffinity(0)) if pin else None
         self.tag = f"{os.getpid() % 10000:04d}{random.randint(0, 99):02d}"
         self.bridge = f"tgb{self.tag}"
