@@ -319,7 +319,7 @@ def _rank_main(args) -> None:
     import horovod.torch as hvd
     import torch
 
-    from hvd_terngrad.transport import HorovodTransport
+    from hvd_terngrad.collectives import HorovodCollectives
 
     hvd.init()
     torch.set_num_threads(1)
@@ -328,7 +328,7 @@ def _rank_main(args) -> None:
         name, _, bs = spec.partition(":")
         out["compute"][spec] = measure_compute(name, int(bs), args.compute_reps)
     out["codec"] = measure_codec(args.codec_reps)
-    transport = HorovodTransport()
+    transport = HorovodCollectives()
     hvd.barrier()
     t_end = time.perf_counter() + 0.5
     alone = _work_rate(lambda: time.perf_counter() > t_end)

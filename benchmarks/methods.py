@@ -4,7 +4,7 @@
     fp16                     Horovod's Compression.fp16
     terngrad                 hvd_terngrad.DistributedOptimizer, paper defaults, allgather transport
     terngrad:<modifier>...   with modifiers, in any order:
-        summed, summed-int8, auto, allgather    the transport
+        allgather, summed, summed-int8, auto    the transport (hvd_terngrad.transports)
         stock                                   hvd.DistributedOptimizer(compression=TernGrad(...)) instead
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hvd_terngrad.config import TRANSPORTS
+
 COMPRESSIONS = ("fp32", "fp16", "terngrad")
-TRANSPORTS = ("allgather", "summed", "summed-int8", "auto")
 OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True)}
 
 

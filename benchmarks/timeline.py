@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from benchmarks.models import param_sizes
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES, codes_size
+from hvd_terngrad.transports import TRANSPORTS
+from hvd_terngrad.wire import SCALER_ENTRY_BYTES
 
 FUSION_BYTES = 64 << 20  # Horovod's default fusion threshold
 
@@ -205,7 +206,7 @@ class TernGradStep:
 
     def __init__(self, tl: Timeline, transport: str, params: list[tuple[str, int]], t_ready: dict,
                  bucket_bytes: int):
-        self.tl, self.transport = tl, transport
+        self.tl, self.transport = tl, TRANSPORTS[transport]
         self.codec = tl.host.codec.get(transport)
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
         for i in floats:
@@ -215,7 +216,7 @@ class TernGradStep:
         self.elems = [sum(e for _, e in members) for members in self.buckets]
         self.hooks = sorted(set(t_ready.values()))
         self.decodes = [self.codec["decode"](e) for e in self.elems]
-        if transport != "summed-int8":  # (its decodes follow its blocking sums, in finish())
+        if not self.transport.blocking:  # (a blocking transport's decodes follow its sums, in finish())
             tl.codec += sum(self.decodes)
         for b, members in enumerate(self.buckets):
             tl.submit(max(t_ready[n] for n, _ in members), "allreduce_fp32", SCALER_ENTRY_BYTES * len(members),
@@ -242,11 +243,10 @@ class TernGradStep:
                 tl.stalls.append((t0, t0 + enc))
             tl.main_free = t0 + enc
             tl.done_at[("encoded", b)] = t0 + enc
-            if self.transport == "allgather":
-                payload = codes_size(elems) + HEADER_SIZE * len(self.buckets[b])
-                tl.submit(t0 + enc, "allgather_u8", payload, self._sent(b), fuse="gather")
-            elif self.transport == "summed":
-                tl.submit(t0 + enc, "allreduce_fp16", 2 * elems, self._sent(b), fuse="sum")
+            t = self.transport
+            if not t.blocking:
+                tl.submit(t0 + enc, t.collective, t.submitted_bytes(elems, len(self.buckets[b])), self._sent(b),
+                          fuse=t.name)
             self._drain()
         return done
 
@@ -260,16 +260,16 @@ class TernGradStep:
         """synchronize() encodes every bucket, then decodes them in order as their codes arrive: each decode
         is main-thread work beside the collectives still in flight."""
         tl = self.tl
-        if self.transport != "summed-int8" and all(("encoded", b) in tl.done_at for b in range(len(self.buckets))):
+        if not self.transport.blocking and all(("encoded", b) in tl.done_at for b in range(len(self.buckets))):
             tl.in_order(self.decodes)
 
     def finish(self, t: float) -> float:
-        """synchronize()'s blocking int8 sums, each followed by its decode, from t; else t."""
-        if self.transport != "summed-int8":
+        """synchronize()'s blocking collectives (the int8 sums), each followed by its decode, from t; else t."""
+        if not self.transport.blocking:
             return t
-        tl = self.tl
+        tl, tr = self.tl, self.transport
         for b, elems in enumerate(self.elems):
-            cost = tl.host.curves["allreduce_int8"](elems)
+            cost = tl.host.curves[tr.collective](tr.submitted_bytes(elems, len(self.buckets[b])))
             dec = self.codec["decode"](elems)
             tl.comm += cost
             tl.codec += dec

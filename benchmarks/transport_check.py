@@ -13,14 +13,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.models import build, split_of
-from hvd_terngrad.commcost import (
-    Link,
-    allgather_bytes,
-    allreduce_bytes,
-    allreduce_time,
-    choose_transport,
-    transport_time,
-)
+from hvd_terngrad.commcost import Link, allgather_bytes, allreduce_bytes, allreduce_time
+from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
 
 # A record's codes are padded to a multiple of 8 bytes: about this much per tensor.
@@ -51,7 +45,7 @@ def predict(row: dict, link: Link) -> float:
     transport = row.get("transport") or "allgather"
     if transport == "auto":
         transport = choose_transport(coded, n, link, int8=True)
-    return (transport_time(transport, coded, n, link) + allreduce_time(SCALER_ENTRY_BYTES * tensors, n, link)
+    return (TRANSPORTS[transport].seconds(coded, n, link) + allreduce_time(SCALER_ENTRY_BYTES * tensors, n, link)
             + allreduce_time(4 * floats, n, link))
 
 

@@ -24,19 +24,19 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from hvd_terngrad.commcost import resolve_transport
+from hvd_terngrad.collectives import HorovodCollectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.engine import Item, TernGradEngine
-from hvd_terngrad.transport import HorovodTransport
+from hvd_terngrad.transports import TRANSPORTS, resolve_transport
 
 
 class _Coded:
-    """A coded tensor in flight: its collective ("allgather" or "summed") and the engine's items."""
+    """A coded tensor in flight: its transport, the collective's handle and the engine's items."""
 
-    __slots__ = ("kind", "handle", "items")
+    __slots__ = ("transport", "handle", "items")
 
-    def __init__(self, kind: str, handle, items: list[Item]):
-        self.kind = kind
+    def __init__(self, transport, handle, items: list[Item]):
+        self.transport = transport
         self.handle = handle
         self.items = items
 
@@ -61,7 +61,7 @@ class TernGrad(Compressor):
         self._named = list(named_parameters) if named_parameters is not None else None
         self._process_set = process_set  # None: not chosen yet (the global set, or the optimizer's)
         self._engine: TernGradEngine | None = None
-        self._transport: HorovodTransport | None = None
+        self._comm: HorovodCollectives | None = None
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
         self._calls = 0
         self._done = 0
@@ -73,7 +73,7 @@ class TernGrad(Compressor):
         two would wait on each other's collectives forever."""
         if self._named is None:
             self._named = list(named_parameters)
-        mine = self._transport.process_set if self._transport is not None else self._process_set
+        mine = self._comm.process_set if self._comm is not None else self._process_set
         if mine is None:
             self._process_set = process_set
         elif _ps_id(mine) != _ps_id(process_set):
@@ -83,20 +83,20 @@ class TernGrad(Compressor):
     @property
     def engine(self) -> TernGradEngine:
         if self._engine is None:
-            t = HorovodTransport(self._process_set, timeout_s=self.config.timeout_s)
+            t = HorovodCollectives(self._process_set, timeout_s=self.config.timeout_s)
             if _ps_id(t.process_set) != 0 and not t.process_set.included():
                 raise ValueError(f"rank {hvd.rank()} is not in {_ps_str(t.process_set)}, the TernGrad compressor's: "
                                  f"pass the optimizer's process_set= to TernGrad")
             self._engine = TernGradEngine(self.config, t.rank, t.size)
             t.stats = self._engine.stats
-            self._transport = t
+            self._comm = t
         return self._engine
 
     @property
-    def transport(self) -> HorovodTransport:
+    def collectives(self) -> HorovodCollectives:
         """The collectives this compressor's engine uses (created with the engine)."""
         self.engine  # noqa: B018  (creates both)
-        return self._transport
+        return self._comm
 
     @property
     def stats(self):
@@ -126,9 +126,9 @@ class TernGrad(Compressor):
         if self.config.on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "
                              "optimizer step; the stock hvd.DistributedOptimizer can only raise")
-        if self.config.transport == "summed-int8":
-            raise ValueError("transport='summed-int8' needs hvd_terngrad.DistributedOptimizer (Horovod's "
-                             "allreduce takes no int8); use transport='summed' with the stock optimizer")
+        if self.config.transport != "auto" and not TRANSPORTS[self.config.transport].stock_ok:
+            raise ValueError(f"transport={self.config.transport!r} needs hvd_terngrad.DistributedOptimizer (a "
+                             f"blocking collective); use transport='summed' with the stock optimizer")
         if self.config.exclude and self._named is None:
             raise ValueError("exclude= matches parameter names: with the stock hvd.DistributedOptimizer pass "
                              "named_parameters to TernGrad(model.named_parameters(), ...)")
@@ -140,16 +140,12 @@ class TernGrad(Compressor):
             return tensor, _PASS
         items = [eng.prepare(name, tensor)]
         if self.config.share_scaler:
-            reduced = self._transport.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}",
+            reduced = self._comm.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}",
                                                     what=f"the scaler Max allreduce of {name!r}")
             eng.apply_shared(items, reduced)
             eng.raise_nonfinite(items)
-        if resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False) == "summed":
-            values = eng.encode_values(items, torch.float16)  # exact integer sums in fp16 for N <= 2048
-            ctx = _Coded("summed", self._transport.sum_async_(values, name=f"terngrad.sum.{name}"), items)
-        else:
-            payload = eng.encode(items, device=tensor.device)
-            ctx = _Coded("allgather", self._transport.allgather_async(payload, name=f"terngrad.codes.{name}"), items)
+        t = resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False)
+        ctx = _Coded(t, t.start(self._comm, t.encode(eng, items), name), items)
         return torch.zeros(1, dtype=torch.float32, device=tensor.device), ctx
 
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -159,11 +155,8 @@ class TernGrad(Compressor):
             if ctx is _PASS:
                 return tensor
             eng = self.engine
-            what = f"the code {ctx.kind} of {ctx.items[0].name!r}"
-            if ctx.kind == "summed":
-                (avg,) = eng.decode_sums(ctx.items, self._transport.wait(ctx.handle, what))
-            else:
-                (avg,) = eng.decode(ctx.items, self._transport.wait(ctx.handle, what))
+            received = ctx.transport.finish(self._comm, ctx.handle, repr(ctx.items[0].name))
+            (avg,) = ctx.transport.decode(eng, ctx.items, received)
             eng.raise_nonfinite(ctx.items)
             it = ctx.items[0]
             return avg.view(it.shape).to(it.dtype)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hvd_terngrad.codec import BACKENDS, Moments
+from hvd_terngrad.transports import TRANSPORTS as _TABLE
 
-TRANSPORTS = ("allgather", "summed", "summed-int8", "auto")
+TRANSPORTS = (*_TABLE, "auto")
 ON_NONFINITE = ("raise", "skip")
 
 
@@ -68,7 +69,7 @@ class TernGradConfig:
             raise ValueError(f"unknown backend {self.backend!r}; allowed: {', '.join(BACKENDS)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; allowed: {', '.join(TRANSPORTS)}")
-        if self.transport in ("summed", "summed-int8") and not self.share_scaler:
+        if self.transport in _TABLE and _TABLE[self.transport].needs_shared_scaler and not self.share_scaler:
             raise ValueError(f"transport={self.transport!r} sums codes across ranks, which needs share_scaler=True")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")

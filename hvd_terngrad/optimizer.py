@@ -25,14 +25,13 @@ import horovod.torch as hvd
 import torch
 
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from hvd_terngrad.commcost import resolve_transport
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.engine import Item, NonFiniteGradientError
+from hvd_terngrad.transports import resolve_transport
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "coded", "items", "state", "scaler_handle", "gather_handle", "kind",
-                 "values")
+    __slots__ = ("index", "params", "ready", "coded", "items", "state", "scaler_handle", "handle", "transport")
 
     def __init__(self, index: int, params: list):
         self.index = index
@@ -45,9 +44,8 @@ class _Bucket:
         self.items: list[Item] = []
         self.state = "idle"  # idle -> scaler -> gather -> idle
         self.scaler_handle = None
-        self.gather_handle = None
-        self.kind = "allgather"
-        self.values = None
+        self.handle = None  # of the codes' collective
+        self.transport = None
 
 
 class _TernGradOptimizer(torch.optim.Optimizer):
@@ -77,7 +75,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._tg = compression
         compression.bind(named, process_set)
         self._engine = compression.engine
-        self._transport = compression.transport
+        self._comm = compression.collectives
         self._cfg = compression.config
         self._sparse_as_dense = sparse_as_dense
         in_opt = {id(p) for p in all_params}
@@ -146,7 +144,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if b is None:
             g = self._grad(p)
             self._engine.stats.add_float(g.numel() * g.element_size(), self._engine.size)
-            self._float_handles[p] = self._transport.average_async_(g, name=f"terngrad.float.{name}")
+            self._float_handles[p] = self._comm.average_async_(g, name=f"terngrad.float.{name}")
             return
         self._bucket_member_ready(b, p)
 
@@ -154,7 +152,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         g = p.grad
         self._engine.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
                                      self._engine.size)
-        self._sparse_handles[p] = self._transport.sparse_average_async(g, name=f"terngrad.sparse.{name}")
+        self._sparse_handles[p] = self._comm.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
@@ -167,7 +165,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             return
         b.items = [self._engine.prepare(self._name_of[q], self._grad(q)) for q in b.coded]
         if self._cfg.share_scaler:
-            b.scaler_handle = self._transport.max_allreduce_async(self._engine.scaler_vector(b.items),
+            b.scaler_handle = self._comm.max_allreduce_async(self._engine.scaler_vector(b.items),
                                                                   name=f"terngrad.scalers.{b.index}")
             b.state = "scaler"
         else:
@@ -176,27 +174,24 @@ class _TernGradOptimizer(torch.optim.Optimizer):
     def _send(self, b: _Bucket, reduced=None):
         if reduced is not None:
             self._engine.apply_shared(b.items, reduced)
-        b.kind = resolve_transport(self._cfg.transport, sum(it.numel for it in b.items), self._engine.size,
-                                   int8=True)
-        if b.kind == "allgather":
-            payload = self._engine.encode(b.items, device=b.items[0].flat.device)
-            b.gather_handle = self._transport.allgather_async(payload, name=f"terngrad.bucket.{b.index}")
-        elif b.kind == "summed":
-            b.values = self._engine.encode_values(b.items, torch.float16)
-            b.gather_handle = self._transport.sum_async_(b.values, name=f"terngrad.sum.{b.index}")
-        else:  # summed-int8: a blocking MPI call, made in bucket order in synchronize()
-            b.values = self._engine.encode_values(b.items, torch.int8)
+        t = b.transport = resolve_transport(self._cfg.transport, sum(it.numel for it in b.items), self._engine.size,
+                                            int8=True)
+        b.handle = t.start(self._comm, t.encode(self._engine, b.items), f"bucket.{b.index}")
         b.state = "gather"
 
     def _progress(self):
         for b in self._buckets:
-            if b.state == "scaler" and self._transport.poll(b.scaler_handle):
-                self._send(b, self._transport.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
+            if b.state == "scaler" and self._comm.poll(b.scaler_handle):
+                self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
 
     def _what(self, collective: str, b: _Bucket) -> str:
-        """A bucket's collective in an error: named by its first tensor, the one a user can look for."""
+        return f"the {collective} of {self._what_bucket(b)}"
+
+    @staticmethod
+    def _what_bucket(b: _Bucket) -> str:
+        """A bucket in an error: named by its first tensor, the one a user can look for."""
         more = f" and {len(b.items) - 1} more" if len(b.items) > 1 else ""
-        return f"the {collective} of bucket {b.index} ({b.items[0].name!r}{more})"
+        return f"bucket {b.index} ({b.items[0].name!r}{more})"
 
     # ------------------------------------------------------------------------------------------
     def synchronize(self):
@@ -209,19 +204,19 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._ready(p)
             for b in self._buckets:
                 if b.state == "scaler":
-                    self._send(b, self._transport.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
+                    self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
             bad: list[Item] = []
             for b in self._buckets:
                 if b.items:
                     bad += self._finish_bucket(b)
             float_bad = []
             for p, h in self._sparse_handles.items():
-                avg = self._transport.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
+                avg = self._comm.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
                 p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
                 if not bool(torch.isfinite(avg._values()).all()):
                     float_bad.append(self._name_of[p])
             for p, h in self._float_handles.items():
-                self._transport.wait(h, f"the float average of {self._name_of[p]!r}")
+                self._comm.wait(h, f"the float average of {self._name_of[p]!r}")
                 if not bool(torch.isfinite(self._grad(p)).all()):
                     float_bad.append(self._name_of[p])
             for p, dense in self._densified.items():
@@ -255,15 +250,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         grads = [self._grad(p) for p in b.coded]
         # decode straight into fp32 gradients; other dtypes are converted below
         direct = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous() else None for g in grads]
-        if b.kind == "allgather":
-            gathered = self._transport.wait(b.gather_handle, self._what("code allgather", b))
-            outs = self._engine.decode(b.items, gathered, outs=direct)
-        elif b.kind == "summed":
-            summed = self._transport.wait(b.gather_handle, self._what("code-sum allreduce", b))
-            outs = self._engine.decode_sums(b.items, summed, outs=direct)
-        else:
-            summed = self._transport.int8_sum_(b.values, what=f"bucket {b.index} ({b.items[0].name!r}, ...)")
-            outs = self._engine.decode_sums(b.items, summed, outs=direct)
+        received = b.transport.finish(self._comm, b.handle, self._what_bucket(b))
+        outs = b.transport.decode(self._engine, b.items, received, outs=direct)
         for g, out in zip(grads, outs):
             if out.data_ptr() != g.data_ptr():
                 g.copy_(out.view(g.shape))

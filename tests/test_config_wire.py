@@ -108,14 +108,14 @@ def test_summed_transport_needs_a_shared_scaler():
 
 
 def test_commcost_crossovers():
-    from hvd_terngrad import commcost
+    from hvd_terngrad import transports
 
     big = 10_000_000
-    assert commcost.choose_transport(big, 4) == "allgather"
-    assert commcost.choose_transport(big, 64) == "summed"
-    assert 16 <= commcost.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
-    assert 8 <= commcost.crossover_nodes(big, summed="summed-int8") <= 10
-    assert commcost.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
+    assert transports.choose_transport(big, 4) == "allgather"
+    assert transports.choose_transport(big, 64) == "summed"
+    assert 16 <= transports.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
+    assert 8 <= transports.crossover_nodes(big, summed="summed-int8") <= 10
+    assert transports.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
 
 
 def test_engine_summed_decode_equals_allgather_decode():

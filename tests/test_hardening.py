@@ -53,10 +53,10 @@ def body_int8_peer_never_joins():
 
     import horovod.torch as hvd
 
-    from hvd_terngrad.transport import HorovodTransport
+    from hvd_terngrad.collectives import HorovodCollectives
 
     hvd.init()
-    t = HorovodTransport(timeout_s=3.0)
+    t = HorovodCollectives(timeout_s=3.0)
     t._int8_comm()  # collective: every rank makes the communicator on its first sum
     if hvd.rank() == 0:
         t.int8_sum_(torch.ones(1000, dtype=torch.int8), what="bucket 0 ('fc.weight', ...)")

@@ -29,7 +29,7 @@ from hvd_terngrad.stats import StatsRecorder
 _POLLS_PER_CLOCK = 64
 
 
-class HorovodTransport:
+class HorovodCollectives:
     def __init__(self, process_set=None, stats: StatsRecorder | None = None, timeout_s: float = 300.0):
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.stats = stats

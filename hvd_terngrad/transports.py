@@ -1,0 +1,155 @@
+"""TernGrad's transports: how one group of coded tensors travels between ranks, one class each, one table.
+
+A transport is four steps, the way a compressed-communication hook is (GRACE's Communicator, PyTorch's
+ddp_comm_hooks):
+
+    payload = t.encode(engine, items)            this rank's codes, in the transport's layout
+    handle = t.start(comm, payload, key)         a non-blocking collective (comm: collectives.HorovodCollectives)
+    received = t.finish(comm, handle, what)      wait, at most timeout_s
+    averages = t.decode(engine, items, received, outs)
+
+plus what the cost model needs: `seconds(numel, n, link)` on a link of commcost's, the calibration's name
+for its collective, and the bytes each worker submits. Both optimizers, transport="auto", the performance
+model and the benchmarks read TRANSPORTS; adding a transport is a class, a row, and its tests. This module
+imports no Horovod: `comm` is handed in.
+"""
+from __future__ import annotations
+
+import torch
+
+from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
+from hvd_terngrad.wire import HEADER_SIZE, codes_size
+
+
+class Transport:
+    name = ""
+    needs_shared_scaler = True  # codes summed across ranks must share one scale
+    stock_ok = True  # its collective can start inside compress() of the stock optimizer
+    blocking = False  # start() does nothing; finish() is one blocking call, made in order in synchronize()
+    collective = ""  # the calibration's name of its collective (benchmarks/calibrate.py)
+    max_workers = 1 << 30  # beyond this N the sums would not be exact
+
+    def encode(self, engine, items) -> torch.Tensor:
+        raise NotImplementedError
+
+    def start(self, comm, payload: torch.Tensor, key: str):
+        raise NotImplementedError
+
+    def finish(self, comm, handle, what: str) -> torch.Tensor:
+        return comm.wait(handle, f"the code {self.name} of {what}")
+
+    def decode(self, engine, items, received: torch.Tensor, outs=None) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def submitted_bytes(self, numel: int, tensors: int) -> float:
+        """Bytes one worker hands its collective for `tensors` tensors of `numel` elements in all."""
+        raise NotImplementedError
+
+    def seconds(self, numel: int, n_workers: int, link: Link) -> float:
+        """Seconds to exchange one coded tensor of `numel` elements (scaler sharing not included)."""
+        raise NotImplementedError
+
+
+class Allgather(Transport):
+    """Every rank receives every rank's 2-bit records: (N-1) * n/4 bytes per worker, growing with N."""
+
+    name = "allgather"
+    needs_shared_scaler = False
+    collective = "allgather_u8"
+
+    def encode(self, engine, items):
+        return engine.encode(items, device=items[0].flat.device)
+
+    def start(self, comm, payload, key):
+        return comm.allgather_async(payload, name=f"terngrad.codes.{key}")
+
+    def decode(self, engine, items, received, outs=None):
+        return engine.decode(items, received, outs=outs)
+
+    def submitted_bytes(self, numel, tensors):
+        return codes_size(numel) + HEADER_SIZE * tensors
+
+    def seconds(self, numel, n_workers, link):
+        return allgather_time(numel / 4 + HEADER_SIZE, n_workers, link)
+
+
+class Summed(Transport):
+    """With a shared scaler the codes are integers on one scale: their sums travel in one fp16 Sum allreduce,
+    exact for N <= 2048, about 4n bytes per worker whatever N."""
+
+    name = "summed"
+    collective = "allreduce_fp16"
+    max_workers = 2048
+
+    def encode(self, engine, items):
+        return engine.encode_values(items, torch.float16)
+
+    def start(self, comm, payload, key):
+        return comm.sum_async_(payload, name=f"terngrad.sum.{key}")
+
+    def finish(self, comm, handle, what):
+        return comm.wait(handle, f"the code-sum allreduce of {what}")
+
+    def decode(self, engine, items, received, outs=None):
+        return engine.decode_sums(items, received, outs=outs)
+
+    def submitted_bytes(self, numel, tensors):
+        return 2 * numel
+
+    def seconds(self, numel, n_workers, link):
+        return allreduce_time(2 * numel, n_workers, link)
+
+
+class SummedInt8(Summed):
+    """The sums as int8 through mpi4py (Horovod's allreduce takes no int8): half the fp16 bytes, N <= 127, the
+    hvd_terngrad optimizer only (a blocking MPI call, made in bucket order in synchronize())."""
+
+    name = "summed-int8"
+    stock_ok = False
+    blocking = True
+    collective = "allreduce_int8"
+    max_workers = 127
+
+    def encode(self, engine, items):
+        return engine.encode_values(items, torch.int8)
+
+    def start(self, comm, payload, key):
+        return payload
+
+    def finish(self, comm, handle, what):
+        return comm.int8_sum_(handle, what=what)
+
+    def submitted_bytes(self, numel, tensors):
+        return numel
+
+    def seconds(self, numel, n_workers, link):
+        return allreduce_time(numel, n_workers, link)
+
+
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), SummedInt8())}
+
+
+def choose_transport(numel: int, n_workers: int, link: Link | None = None, int8: bool = False) -> str:
+    """The cheapest transport for a bucket of `numel` coded elements under commcost's model (int8: whether the
+    caller can run the blocking ones)."""
+    link = link or Link()
+    cands = [t for t in TRANSPORTS.values() if n_workers <= t.max_workers and (int8 or not t.blocking)]
+    return min(cands, key=lambda t: t.seconds(numel, n_workers, link)).name
+
+
+def resolve_transport(configured: str, numel: int, n_workers: int, int8: bool) -> Transport:
+    """The transport a group of `numel` coded elements takes: the configured one, or for "auto" the model's
+    choice."""
+    if configured == "auto":
+        configured = choose_transport(numel, n_workers, int8=int8)
+    return TRANSPORTS[configured]
+
+
+def crossover_nodes(numel: int, link: Link | None = None, summed: str = "summed", max_nodes: int = 4096) -> int:
+    """The smallest N at which `summed` beats the allgather for a tensor of `numel` elements."""
+    link = link or Link()
+    fast, base = TRANSPORTS[summed], TRANSPORTS["allgather"]
+    for n in range(2, max_nodes + 1):
+        if fast.seconds(numel, n, link) < base.seconds(numel, n, link):
+            return n
+    return max_nodes + 1

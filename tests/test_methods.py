@@ -1,0 +1,44 @@
+"""One vocabulary for methods (benchmarks/methods.py), and one table of transports (hvd_terngrad.transports)."""
+import pytest
+
+from benchmarks.methods import Method, parse_method
+from hvd_terngrad import TernGradConfig
+from hvd_terngrad.commcost import Link
+from hvd_terngrad.transports import TRANSPORTS, choose_transport
+
+
+@pytest.mark.parametrize("text,name,stock,options", [
+    ("fp32", "fp32", False, {}),
+    ("terngrad", "terngrad", False, {"transport": "allgather"}),
+    ("terngrad:allgather", "terngrad", False, {"transport": "allgather"}),
+    ("terngrad:stock:summed", "terngrad:summed:stock", True, {"transport": "summed"}),
+    ("terngrad:ef:noclip", "terngrad:noclip:ef", False,
+     {"clip": 0.0, "error_feedback": True, "transport": "allgather"}),
+])
+def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options):
+    m = parse_method(text)
+    assert m.name == name and m.stock == stock and parse_method(m.name) == m
+    if m.compression == "terngrad":
+        assert m.terngrad_options() == options
+        TernGradConfig(**m.terngrad_options())  # every spelled option is a valid configuration
+
+
+@pytest.mark.parametrize("text", ["fp8", "fp32:summed", "terngrad:bogus", "terngrad:summed:summed-int8",
+                                  "terngrad:ef:ef"])
+def test_bad_method_names_say_what_is_allowed(text):
+    with pytest.raises(ValueError, match="method|starts with"):
+        parse_method(text)
+
+
+def test_the_method_optimizer_follows_the_stock_modifier():
+    assert Method("terngrad").optimizer == "hvd_terngrad"
+    assert parse_method("terngrad:stock").optimizer == "stock" and parse_method("fp16").optimizer == "stock"
+
+
+def test_every_transport_states_its_cost_and_auto_picks_the_cheapest_allowed():
+    link = Link()
+    for t in TRANSPORTS.values():
+        assert t.seconds(1 << 20, 8, link) > 0 and t.submitted_bytes(1 << 20, 3) > 0 and t.collective
+    assert choose_transport(1 << 22, 4) == "allgather" and choose_transport(1 << 22, 64) == "summed"
+    assert choose_transport(1 << 22, 64, int8=True) == "summed-int8"  # the blocking one only where allowed
+    assert choose_transport(1 << 22, 4096) == "allgather"  # beyond every sum's exact range
