@@ -54,6 +54,10 @@ class HorovodCollectives:
     def allgather_async(self, payload: torch.Tensor, name: str):
         return hvd.allgather_async(payload, name=name, process_set=self.process_set)
 
+    def alltoall_async(self, tensor: torch.Tensor, name: str):
+        """Equal slices of `tensor`'s first dimension to every rank, in rank order; wait() gives the output."""
+        return _Alltoall(hvd.alltoall_async(tensor, name=name, process_set=self.process_set))
+
     def sum_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
 
@@ -119,10 +123,12 @@ class HorovodCollectives:
 
     @staticmethod
     def poll(handle) -> bool:
-        return hvd.poll(handle)
+        return hvd.poll(handle.handle if isinstance(handle, _Alltoall) else handle)
 
     def wait(self, handle, what: str) -> torch.Tensor:
         """hvd.synchronize(handle), but at most timeout_s: then CollectiveTimeoutError naming `what`."""
+        if isinstance(handle, _Alltoall):
+            return self.wait(handle.handle, what)[0]  # (output, received splits)
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
             deadline = time.monotonic() + self.timeout_s
             polls = 0
@@ -142,6 +148,15 @@ class HorovodCollectives:
                 f"TernGrad options? (hvd.DistributedOptimizer(process_set=ps) needs TernGrad(process_set=ps) too.) "
                 f"A rank that stopped calling collectives mid-step does this as well. The bound is "
                 f"TernGrad(timeout_s=...).")
+
+
+class _Alltoall:
+    """An alltoall's handle: its result is (output, splits), of which callers want the output."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
 
 
 def _mpi():

@@ -8,6 +8,7 @@ Per worker, for a gradient of n elements on N workers over links of bandwidth B 
     TernGrad allgather      (N-1) a + (N-1) * (n/4 + 24) / B          each worker receives every other's codes
     TernGrad summed, fp16   2 (N-1) a + 2 (N-1)/N * 2n / B            code sums, exact for N <= 2048
     TernGrad summed, int8   2 (N-1) a + 2 (N-1)/N * n / B             through mpi4py, exact for N <= 127
+    TernGrad sharded        2 (N-1) a + (N-1)/N * n/4 * (1 + b/2) / B codes to shard owners, b-bit sums back
     + scaler sharing        2 (N-1) a + 2 (N-1)/N * 16k / B for k tensors (one small Max allreduce)
 
 (24: the record header, wire.HEADER_SIZE; 16: a tensor's scaler entry, wire.SCALER_ENTRY_BYTES.) Bandwidth
@@ -47,3 +48,14 @@ def allgather_time(nbytes_per_worker: float, n_workers: int, link: Link) -> floa
     if n_workers <= 1:
         return 0.0
     return (n_workers - 1) * link.latency + allgather_bytes(nbytes_per_worker, n_workers) / link.bandwidth
+
+
+def alltoall_bytes(nbytes: float, n_workers: int) -> float:
+    """Bytes each worker sends (and receives) in an alltoall of `nbytes` split evenly over the workers."""
+    return (n_workers - 1) / n_workers * nbytes
+
+
+def alltoall_time(nbytes: float, n_workers: int, link: Link) -> float:
+    if n_workers <= 1:
+        return 0.0
+    return (n_workers - 1) * link.latency + alltoall_bytes(nbytes, n_workers) / link.bandwidth

@@ -158,21 +158,62 @@ class TernGradEngine:
                 mine_bad = it.nonfinite_rank == self.rank or (not shared and it.nonfinite_rank >= 0)
                 flags = (wire.FLAG_SHARED if shared else 0) | (wire.FLAG_NONFINITE if mine_bad else 0)
                 wire.write_header(rec, wire.Header(flags, it.tag, it.numel, it.scaler, self.step))
-                codes = rec[wire.HEADER_SIZE: wire.HEADER_SIZE + wire.codes_size(it.numel)]
-                if it.nonfinite_rank >= 0:
-                    codes.zero_()
-                else:
-                    codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=codes, backend=cfg.backend,
-                                         nthreads=cfg.num_threads)
+                self._code_into(it, rec[wire.HEADER_SIZE: wire.HEADER_SIZE + wire.codes_size(it.numel)])
                 wire.zero_padding(rec, it.numel)
-                if cfg.error_feedback and it.nonfinite_rank < 0:
-                    self._keep_residual(it, codec.decode_mean([codes], [1.0], True, it.numel, backend=cfg.backend,
-                                                             nthreads=cfg.num_threads))
                 off += wire.record_size(it.numel)
         for it in items:
             self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
                                  scaler_bytes=wire.SCALER_ENTRY_BYTES if shared else 0)
         return payload
+
+    def _code_into(self, it: Item, codes: torch.Tensor) -> None:
+        """Write it's packed codes into `codes` (all zero for a non-finite tensor); keep the residual."""
+        cfg = self.config
+        if it.nonfinite_rank >= 0:
+            codes.zero_()
+            return
+        codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=codes, backend=cfg.backend,
+                             nthreads=cfg.num_threads)
+        if cfg.error_feedback:
+            self._keep_residual(it, codec.decode_mean([codes], [1.0], True, it.numel, backend=cfg.backend,
+                                                      nthreads=cfg.num_threads))
+
+    def encode_stream(self, items: list[Item]) -> torch.Tensor:
+        """The sharded transports' payload (docs/wire-format.md, section 10): the items' packed codes back to
+        back (it.offset: its first byte), then zero bytes up to a multiple of N, one shard per rank."""
+        n = self.size
+        total = sum(wire.codes_size(it.numel) for it in items)
+        dev = items[0].flat.device if items else torch.device("cpu")
+        with self.stats.timed("encode"):
+            stream = torch.zeros((total + n - 1) // n * n, dtype=torch.uint8, device=dev)
+            off = 0
+            for it in items:
+                it.offset = off
+                self.scalers_used[it.name] = it.scaler
+                self._code_into(it, stream[off: off + wire.codes_size(it.numel)])
+                off += wire.codes_size(it.numel)
+        shard = stream.numel() // n
+        sums = wire.sums_size(shard, n)
+        for k, it in enumerate(items):  # the bucket's traffic, counted with its first tensor
+            sent, received = ((n - 1) * shard + sums, (n - 1) * (shard + sums)) if k == 0 else (0, 0)
+            self.stats.add_coded(sent, it.numel * it.flat.element_size(), n, scaler_bytes=wire.SCALER_ENTRY_BYTES,
+                                 received=received)
+        return stream
+
+    def decode_packed_sums(self, items: list[Item], packed: torch.Tensor,
+                           outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """The averages from every owner's packed sums, allgathered in rank order (section 10)."""
+        n = self.size
+        with self.stats.timed("decode"):
+            total = sum(wire.codes_size(it.numel) for it in items)
+            shard = (total + n - 1) // n
+            if packed.numel() != n * wire.sums_size(shard, n):
+                raise PayloadMismatchError(
+                    f"hvd_terngrad: received {packed.numel()} bytes of code sums for tensors starting with "
+                    f"{items[0].name!r}, expected {n * wire.sums_size(shard, n)} (rank {self.rank}): the ranks "
+                    f"disagree on which tensors travel together")
+            return [codec.decode_packed_sums(packed, n, 4 * it.offset, it.numel, it.scaler,
+                                             out=outs[i] if outs else None) for i, it in enumerate(items)]
 
     def _keep_residual(self, it: Item, b: torch.Tensor) -> None:
         """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""

@@ -58,11 +58,15 @@ class StatsRecorder:
         c.bytes_received += nbytes * (nranks - 1)
         c.dense_bytes += nbytes
 
-    def add_coded(self, payload_bytes: int, dense_bytes: int, nranks: int, scaler_bytes: int = 0) -> None:
+    def add_coded(self, payload_bytes: int, dense_bytes: int, nranks: int, scaler_bytes: int = 0,
+                  received: int | None = None) -> None:
+        """payload_bytes: what this rank puts on the wire; received: what it gets (default: every other
+        rank's payload, as in an allgather)."""
         c = self.current
         c.tensors_coded += 1
         c.bytes_sent += payload_bytes + scaler_bytes
-        c.bytes_received += (payload_bytes + scaler_bytes) * (nranks - 1)
+        c.bytes_received += (payload_bytes * (nranks - 1) if received is None else received) + \
+            scaler_bytes * (nranks - 1)
         c.dense_bytes += dense_bytes
 
     @contextmanager

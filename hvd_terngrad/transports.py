@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
-from hvd_terngrad.wire import HEADER_SIZE, codes_size
+from hvd_terngrad import codec
+from hvd_terngrad.commcost import Link, allgather_time, allreduce_time, alltoall_time
+from hvd_terngrad.wire import HEADER_SIZE, codes_size, sum_bits
 
 
 class Transport:
@@ -28,6 +29,7 @@ class Transport:
     blocking = False  # start() does nothing; finish() is one blocking call, made in order in synchronize()
     collective = ""  # the calibration's name of its collective (benchmarks/calibrate.py)
     max_workers = 1 << 30  # beyond this N the sums would not be exact
+    auto_ok = True  # transport="auto" may pick it (its cost is validated on the emulated clusters)
 
     def encode(self, engine, items) -> torch.Tensor:
         raise NotImplementedError
@@ -126,14 +128,53 @@ class SummedInt8(Summed):
         return allreduce_time(numel, n_workers, link)
 
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), SummedInt8())}
+class Sharded(Transport):
+    """A parameter server spread over all ranks (docs/wire-format.md, section 10): the bucket's 2-bit codes go
+    to shard owners in one alltoall, each owner adds the N ranks' codes of its shard and the sums come back in
+    one allgather, packed at 4, 8 or 16 bits (N <= 7, 127, 32767). The average is bit-identical to the
+    allgather's; each worker moves about (N-1)/N * n/4 * (1 + bits/2) bytes, nearly flat in N."""
+
+    name = "sharded"
+    collective = "alltoall_u8"
+    max_workers = 32767
+    auto_ok = False  # not yet calibrated on the emulated clusters
+
+    def encode(self, engine, items):
+        return engine.encode_stream(items)
+
+    def start(self, comm, payload, key):
+        return comm.alltoall_async(payload, name=f"terngrad.shards.{key}"), payload.numel(), key
+
+    def finish(self, comm, handle, what):
+        alltoall, nbytes, key = handle
+        received = comm.wait(alltoall, f"the code alltoall of {what}")
+        n = comm.size
+        if received.numel() != nbytes:
+            raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, sent {nbytes}")
+        sums = codec.sum_code_shards(received.view(n, -1), n)
+        return comm.wait(comm.allgather_async(sums, name=f"terngrad.sums.{key}"), f"the code-sum allgather of {what}")
+
+    def decode(self, engine, items, received, outs=None):
+        return engine.decode_packed_sums(items, received, outs=outs)
+
+    def submitted_bytes(self, numel, tensors):
+        return codes_size(numel) + tensors  # the alltoall: each tensor's codes end on a whole byte
+
+    def seconds(self, numel, n_workers, link):
+        shard = numel / 4 / n_workers
+        return (alltoall_time(numel / 4, n_workers, link)
+                + allgather_time(shard * sum_bits(n_workers) / 2, n_workers, link))
+
+
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), SummedInt8(), Sharded())}
 
 
 def choose_transport(numel: int, n_workers: int, link: Link | None = None, int8: bool = False) -> str:
     """The cheapest transport for a bucket of `numel` coded elements under commcost's model (int8: whether the
     caller can run the blocking ones)."""
     link = link or Link()
-    cands = [t for t in TRANSPORTS.values() if n_workers <= t.max_workers and (int8 or not t.blocking)]
+    cands = [t for t in TRANSPORTS.values()
+             if t.auto_ok and n_workers <= t.max_workers and (int8 or not t.blocking)]
     return min(cands, key=lambda t: t.seconds(numel, n_workers, link)).name
 
 

@@ -34,6 +34,19 @@ def codes_size(numel: int) -> int:
     return (numel + 3) // 4
 
 
+def sum_bits(nranks: int) -> int:
+    """Bits of one packed code sum in the sharded transport: the offset sum + N lies in [0, 2N]."""
+    for bits in (4, 8, 16):
+        if 2 * nranks < 1 << bits:
+            return bits
+    raise ValueError(f"code sums of {nranks} ranks do not fit 16 bits (at most 32767 ranks)")
+
+
+def sums_size(shard_bytes: int, nranks: int) -> int:
+    """Bytes of one owner's packed sums: its shard holds 4 codes a byte, each sum takes sum_bits(N)."""
+    return shard_bytes * sum_bits(nranks) // 2
+
+
 def record_size(numel: int) -> int:
     return HEADER_SIZE + (codes_size(numel) + 7) // 8 * 8
 

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from hvd_terngrad import wire
+
 _MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
@@ -140,3 +142,43 @@ def decode_mean(packed: list[torch.Tensor], scalers: list[float], shared: bool, 
     if shared:
         acc = acc * (torch.tensor(scalers[0], dtype=torch.float32) / nranks)
     return acc, ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded transport (docs/wire-format.md, section 10): the owner of a shard adds the ranks' codes and
+# sends the sums packed at wire.sum_bits(N) bits, offset by N.
+def sum_shards(shards: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The per-element sum over ranks (rows of `shards`, uint8 packed codes) as int32; and validity."""
+    codes = torch.stack([unpack(row, row.numel() * 4) for row in shards]).to(torch.int32)
+    ok = not bool((codes == 3).any())
+    return ((codes == 1).to(torch.int32) - (codes == 2).to(torch.int32)).sum(dim=0, dtype=torch.int32), ok
+
+
+def pack_sums(sums: torch.Tensor, nranks: int) -> torch.Tensor:
+    """Sums (an even count) as sum + N in wire.sum_bits(N) bits, little-endian: 4 bits two a byte, low nibble
+    first; 8 bits a byte; 16 bits two bytes, low byte first."""
+    v = sums.to(torch.int32) + nranks
+    bits = wire.sum_bits(nranks)
+    if bits == 4:
+        return (v[0::2] | v[1::2] << 4).to(torch.uint8)
+    if bits == 8:
+        return v.to(torch.uint8)
+    return torch.stack([v & 0xFF, v >> 8], dim=1).reshape(-1).to(torch.uint8)
+
+
+def unpack_sums(packed: torch.Tensor, nranks: int) -> torch.Tensor:
+    """The inverse of pack_sums: int32 sums."""
+    p = packed.to(torch.int32)
+    bits = wire.sum_bits(nranks)
+    if bits == 4:
+        v = torch.stack([p & 15, p >> 4], dim=1).reshape(-1)
+    elif bits == 8:
+        v = p
+    else:
+        v = p[0::2] | p[1::2] << 8
+    return v - nranks
+
+
+def decode_sums(sums: torch.Tensor, scaler: float, nranks: int) -> torch.Tensor:
+    """fl32(sum * fl32(s / N)): the shared-scaler decode of section 6."""
+    return sums.to(torch.float32) * (torch.tensor(scaler, dtype=torch.float32) / nranks)
