@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 1
+#define TG_ABI_VERSION 2
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -49,6 +49,16 @@ int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_
 // Returns TG_OK, 1 if any code is the invalid 0b11 or a padding code is not 0, or a negative error.
 int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
                   float* out, int nthreads);
+
+// Sharded transport, an owner's step (docs/wire-format.md, section 10): the per-element sums over nranks
+// shards of shard_bytes packed codes, written as sum + nranks in 4, 8 or 16 bits (nranks <= 7, 127, 32767),
+// little-endian, into out (shard_bytes * bits / 2 bytes). Returns TG_OK, 1 if a code is the invalid 0b11.
+int tg_sum_shards(int nranks, const uint8_t* const* shards, int64_t shard_bytes, uint8_t* out, int nthreads);
+
+// Elements [start, start + n) of a stream of packed sums (start a multiple of 4) as fp32 means:
+// out = fl32(float(sum) * fl32(scaler / nranks)), the shared-scaler decode.
+int tg_decode_packed_sums(const uint8_t* packed, int nranks, int64_t start, int64_t n, float scaler, float* out,
+                          int nthreads);
 
 // One Philox4x32-10 block, exposed for known-answer tests.
 void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);

@@ -24,16 +24,19 @@ def test_owner_sums_pack_unpack_and_decode_like_the_allgather(nranks):
     shard = 37  # bytes per rank: 148 codes
     codes = [reference.pack(torch.randint(0, 3, (4 * shard,), generator=g, dtype=torch.uint8))
              for _ in range(nranks)]
-    packed = codec.sum_code_shards(torch.stack(codes), nranks)
+    packed = codec.sum_code_shards(torch.stack(codes), nranks)  # the C++ kernel
     assert packed.numel() == wire.sums_size(shard, nranks)
+    assert torch.equal(packed, codec.sum_code_shards(torch.stack(codes), nranks, backend="reference"))
     sums, ok = reference.sum_shards(torch.stack(codes))
     assert ok and torch.equal(reference.unpack_sums(packed, nranks), sums)
     assert int(sums.abs().max()) <= nranks
     whole = codec.decode_packed_sums(packed, nranks, 0, 4 * shard, 0.37)
+    assert torch.equal(whole, codec.decode_packed_sums(packed, nranks, 0, 4 * shard, 0.37, backend="reference"))
     assert torch.equal(whole, codec.decode_mean(codes, [0.37] * nranks, True, 4 * shard, backend="reference"))
     for start, n in [(4, 101), (8, 1), (4 * shard - 4, 3)]:  # tensors start on whole bytes of codes
-        got = codec.decode_packed_sums(packed, nranks, start, n, 0.37)
-        assert torch.equal(got, whole[start:start + n])
+        for backend in ("cpu", "reference"):
+            got = codec.decode_packed_sums(packed, nranks, start, n, 0.37, backend=backend)
+            assert torch.equal(got, whole[start:start + n])
 
 
 def test_an_invalid_code_in_a_shard_is_refused():

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_terngrad.codec import cpu, reference
-from hvd_terngrad.wire import codes_size, sum_bits
+from hvd_terngrad.wire import codes_size, sum_bits, sums_size
 
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -145,26 +145,44 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
 
 # ---------------------------------------------------------------------------------------------
 # The sharded transport's owner step and decode (docs/wire-format.md, section 10).
-def sum_code_shards(shards: torch.Tensor, nranks: int) -> torch.Tensor:
+def sum_code_shards(shards: torch.Tensor, nranks: int, backend: str = "auto",
+                    nthreads: int | None = None) -> torch.Tensor:
     """The owner's step: `shards` holds one row of packed codes per rank (uint8, nranks x S); returns their
-    per-element sums packed at wire.sum_bits(nranks) bits (2 * S * sum_bits / 4 bytes). CorruptPayload on 0b11."""
+    per-element sums packed at wire.sum_bits(nranks) bits (S * bits / 2 bytes). CorruptPayload on 0b11."""
     if shards.dtype != torch.uint8 or shards.dim() != 2 or shards.shape[0] != nranks:
         raise ValueError(f"shards must be uint8 of shape ({nranks}, S), got {tuple(shards.shape)} {shards.dtype}")
-    sums, ok = reference.sum_shards(shards)
+    shards = shards.contiguous()
+    be = _sums_backend(shards, backend)
+    if be == "cpu":
+        out = torch.empty(sums_size(shards.shape[1], nranks), dtype=torch.uint8)
+        ok = cpu.sum_shards(shards, nranks, out, nthreads)
+    else:
+        sums, ok = reference.sum_shards(shards)
+        out = reference.pack_sums(sums, nranks)
     if not ok:
         raise CorruptPayload("a code shard holds the invalid code 0b11")
-    return reference.pack_sums(sums, nranks)
+    return out
 
 
 def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, scaler: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, backend: str = "auto",
+                       nthreads: int | None = None) -> torch.Tensor:
     """Elements [start, start + n) of a stream of packed sums, decoded to fp32 means with the shared scaler."""
     if start % 4:
         raise ValueError(f"a tensor's sums start at a multiple of 4 elements (a whole byte of codes), not {start}")
     bits = sum_bits(nranks)
     lo, hi = start * bits // 8, ((start + n) * bits + 7) // 8
-    sums = reference.unpack_sums(packed[lo:hi], nranks)[: n]
-    res = reference.decode_sums(sums, scaler, nranks)
+    if hi > packed.numel():
+        raise ValueError(f"elements [{start}, {start + n}) are beyond the {packed.numel()} bytes of sums")
     if out is None:
-        return res
-    return out.copy_(res)
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    if _sums_backend(packed, backend) == "cpu" and out.is_contiguous() and out.dtype == torch.float32:
+        cpu.decode_packed_sums(packed.contiguous(), nranks, start, n, scaler, out, nthreads)
+        return out
+    sums = reference.unpack_sums(packed[lo:hi], nranks)[: n]
+    return out.copy_(reference.decode_sums(sums, scaler, nranks))
+
+
+def _sums_backend(x: torch.Tensor, backend: str) -> str:
+    """The C++ kernels for CPU tensors; torch ops (the reference) elsewhere, GPUs included, for now."""
+    return "cpu" if resolve_backend(x, backend) == "cpu" else "reference"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _lib = None
 _error: str | None = None
@@ -53,6 +53,10 @@ def _load():
     lib.tg_decode_sum.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), ctypes.c_int,
                                   i64, vp, ctypes.c_int]
     lib.tg_decode_sum.restype = ctypes.c_int
+    lib.tg_sum_shards.argtypes = [ctypes.c_int, ctypes.POINTER(vp), i64, vp, ctypes.c_int]
+    lib.tg_sum_shards.restype = ctypes.c_int
+    lib.tg_decode_packed_sums.argtypes = [vp, ctypes.c_int, i64, i64, ctypes.c_float, vp, ctypes.c_int]
+    lib.tg_decode_packed_sums.restype = ctypes.c_int
     lib.tg_philox4x32_10.argtypes = [ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.POINTER(u32)]
     lib.tg_philox4x32_10.restype = None
     if lib.tg_abi_version() != ABI_VERSION:
@@ -126,6 +130,23 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
     rc = lib.tg_decode_sum(nr, ptrs, sc, int(shared), n, out.data_ptr(), nthreads or default_threads())
     _check(rc, "decode_mean")
     return rc == 0
+
+
+def sum_shards(shards: torch.Tensor, nranks: int, out: torch.Tensor, nthreads: int | None = None) -> bool:
+    """An owner's packed sums of the rows of `shards` into `out`; False when a code is invalid (0b11)."""
+    lib = _lib_or_raise()
+    ptrs = (ctypes.c_void_p * nranks)(*[shards[r].data_ptr() for r in range(nranks)])
+    rc = lib.tg_sum_shards(nranks, ptrs, shards.shape[1], out.data_ptr(), nthreads or default_threads())
+    _check(rc, "sum_code_shards")
+    return rc == 0
+
+
+def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, scaler: float, out: torch.Tensor,
+                       nthreads: int | None = None) -> None:
+    lib = _lib_or_raise()
+    rc = lib.tg_decode_packed_sums(packed.data_ptr(), nranks, start, n, scaler, out.data_ptr(),
+                                   nthreads or default_threads())
+    _check(rc, "decode_packed_sums")
 
 
 def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
