@@ -8,13 +8,13 @@ max|g|. Clipping is the accuracy trade-off that matters most (57.6 vs 54.6 top-1
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hvd_terngrad.codec import BACKENDS, Moments
 from hvd_terngrad.transports import TRANSPORTS as _TABLE
+from hvd_terngrad.wire import payload_tag, tensor_id  # noqa: F401  (their home is the wire format)
 
 TRANSPORTS = (*_TABLE, "auto")
 ON_NONFINITE = ("raise", "skip")
@@ -99,13 +99,3 @@ class TernGradConfig:
         if self.clip > 0 and st.std > 0:
             s = min(self.clip * st.std, st.absmax)
         return float(np.float32(s))
-
-
-def tensor_id(name: str) -> int:
-    """32-bit id of a tensor name: part of its RNG key and of the payload tag."""
-    return zlib.crc32(name.encode("utf-8"))
-
-
-def payload_tag(name: str, shape, dtype) -> int:
-    """32-bit tag a rank's record carries so the receiver can tell it is the tensor it expects."""
-    return zlib.crc32(f"{name}|{tuple(shape)}|{dtype}".encode())

@@ -178,9 +178,10 @@ class TernGradEngine:
             self._keep_residual(it, codec.decode_mean([codes], [1.0], True, it.numel, backend=cfg.backend,
                                                       nthreads=cfg.num_threads))
 
-    def encode_stream(self, items: list[Item]) -> torch.Tensor:
+    def encode_stream(self, items: list[Item], reply_bytes=None) -> torch.Tensor:
         """The sharded transports' payload (docs/wire-format.md, section 10): the items' packed codes back to
-        back (it.offset: its first byte), then zero bytes up to a multiple of N, one shard per rank."""
+        back (it.offset: its first byte), then zero bytes up to a multiple of N, one shard per rank.
+        reply_bytes(shard): what each owner sends back (default: its packed sums), for the traffic count."""
         n = self.size
         total = sum(wire.codes_size(it.numel) for it in items)
         dev = items[0].flat.device if items else torch.device("cpu")
@@ -193,7 +194,7 @@ class TernGradEngine:
                 self._code_into(it, stream[off: off + wire.codes_size(it.numel)])
                 off += wire.codes_size(it.numel)
         shard = stream.numel() // n
-        sums = wire.sums_size(shard, n)
+        sums = reply_bytes(shard) if reply_bytes else wire.sums_size(shard, n)
         for k, it in enumerate(items):  # the bucket's traffic, counted with its first tensor
             sent, received = ((n - 1) * shard + sums, (n - 1) * (shard + sums)) if k == 0 else (0, 0)
             self.stats.add_coded(sent, it.numel * it.flat.element_size(), n, scaler_bytes=wire.SCALER_ENTRY_BYTES,
@@ -214,6 +215,36 @@ class TernGradEngine:
                     f"disagree on which tensors travel together")
             return [codec.decode_packed_sums(packed, n, 4 * it.offset, it.numel, it.scaler,
                                              out=outs[i] if outs else None) for i, it in enumerate(items)]
+
+    def decode_owner_codes(self, items: list[Item], gathered: torch.Tensor) -> list[torch.Tensor]:
+        """The averages from every owner's reply of sharded-ternary (section 11): [fp32 scaler, codes of its
+        shard] in rank order; each element is its owner's code times its owner's scaler."""
+        n = self.size
+        with self.stats.timed("decode"):
+            shard = (sum(wire.codes_size(it.numel) for it in items) + n - 1) // n
+            if gathered.numel() != n * (wire.OWNER_SCALER_BYTES + shard):
+                raise PayloadMismatchError(
+                    f"hvd_terngrad: received {gathered.numel()} bytes of owner codes for tensors starting with "
+                    f"{items[0].name!r}, expected {n * (wire.OWNER_SCALER_BYTES + shard)} (rank {self.rank}): the "
+                    f"ranks disagree on which tensors travel together")
+            rows = gathered.view(n, wire.OWNER_SCALER_BYTES + shard)
+            scalers = rows[:, :wire.OWNER_SCALER_BYTES].contiguous().view(torch.float32).reshape(-1).tolist()
+            codes = rows[:, wire.OWNER_SCALER_BYTES:].reshape(-1)
+            return [self._decode_pieces(it, codes, scalers, shard) for it in items]
+
+    def _decode_pieces(self, it: Item, codes: torch.Tensor, scalers: list[float], shard: int) -> torch.Tensor:
+        """One tensor's elements, piece by piece of the owners' shards it spans (shards end on whole bytes)."""
+        out = torch.empty(it.numel, dtype=torch.float32, device=codes.device)
+        first, end = 4 * it.offset, 4 * it.offset + it.numel
+        for j in range(first // (4 * shard), (end - 1) // (4 * shard) + 1):
+            lo, hi = max(first, 4 * shard * j), min(end, 4 * shard * (j + 1))
+            piece = codes[lo // 4: (hi + 3) // 4]
+            try:
+                codec.decode_mean([piece], [scalers[j]], True, hi - lo, out=out[lo - first: hi - first],
+                                  backend=self.config.backend, nthreads=self.config.num_threads)
+            except codec.CorruptPayload as exc:
+                raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r}, owner {j}: {exc}") from None
+        return out
 
     def _keep_residual(self, it: Item, b: torch.Tensor) -> None:
         """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""

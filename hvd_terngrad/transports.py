@@ -19,7 +19,10 @@ import torch
 
 from hvd_terngrad import codec
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time, alltoall_time
-from hvd_terngrad.wire import HEADER_SIZE, codes_size, sum_bits
+from hvd_terngrad.wire import HEADER_SIZE, OWNER_SCALER_BYTES, codes_size, sum_bits, tensor_id
+
+# An owner's Philox stream: rank field 32768 + owner, which no worker has (workers are < 32768 ranks).
+OWNER_RANK_BASE = 1 << 15
 
 
 class Transport:
@@ -166,7 +169,81 @@ class Sharded(Transport):
                 + allgather_time(shard * sum_bits(n_workers) / 2, n_workers, link))
 
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), SummedInt8(), Sharded())}
+class _Plan:
+    """What an owner of sharded-ternary needs besides the codes: where each tensor lies in the stream, its
+    shared scaler, and the options and step that key the owner's own draw."""
+
+    __slots__ = ("stream", "segments", "config", "step")
+
+    def __init__(self, stream, segments, config, step):
+        self.stream, self.segments, self.config, self.step = stream, segments, config, step
+
+
+class ShardedTernary(Sharded):
+    """The paper's parameter server, spread over all ranks (docs/wire-format.md, section 11): as `sharded`, but
+    each owner ternarizes its shard's average again, stochastic and unbiased, with a scaler of its own and a
+    Philox stream no worker uses, and replies with 2-bit codes and that scaler. Each worker moves about
+    2 (N-1)/N * n/4 bytes, 16x below an FP32 ring at any N; the price is the owner's second draw, whose
+    variance adds to the workers'. With clipping on (the default) the owner clips as the workers do."""
+
+    name = "sharded-ternary"
+    collective = "alltoall_u8"
+
+    def encode(self, engine, items):
+        stream = engine.encode_stream(items, reply_bytes=lambda shard: shard + OWNER_SCALER_BYTES)
+        segments = [(4 * it.offset, it.numel, it.scaler) for it in items]
+        return _Plan(stream, segments, engine.config, engine.step)
+
+    def start(self, comm, payload, key):
+        return comm.alltoall_async(payload.stream, name=f"terngrad.shards.{key}"), payload, key
+
+    def finish(self, comm, handle, what):
+        alltoall, plan, key = handle
+        received = comm.wait(alltoall, f"the code alltoall of {what}")
+        if received.numel() != plan.stream.numel():
+            raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, "
+                                       f"sent {plan.stream.numel()}")
+        reply = _owner_reply(received.view(comm.size, -1), plan, comm.rank, comm.size, key)
+        return comm.wait(comm.allgather_async(reply, name=f"terngrad.owner.{key}"),
+                         f"the owner-code allgather of {what}")
+
+    def decode(self, engine, items, received, outs=None):
+        res = engine.decode_owner_codes(items, received)
+        if outs:
+            res = [o.copy_(r) if o is not None else r for o, r in zip(outs, res)]
+        return res
+
+    def seconds(self, numel, n_workers, link):
+        shard = numel / 4 / n_workers
+        return alltoall_time(numel / 4, n_workers, link) + allgather_time(shard + OWNER_SCALER_BYTES, n_workers, link)
+
+
+def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str) -> torch.Tensor:
+    """Owner `owner`'s reply: [fp32 scaler, 2-bit codes] of its shard's average, drawn again."""
+    cfg = plan.config
+    shard = shards.shape[1]
+    sums = codec.sum_code_shards(shards, n, backend=cfg.backend, nthreads=cfg.num_threads)
+    avg = torch.zeros(4 * shard, dtype=torch.float32, device=shards.device)
+    base, valid = 4 * shard * owner, []
+    for start, numel, scaler in plan.segments:  # the shard's pieces of each tensor; padding stays 0
+        lo, hi = max(start, base), min(start + numel, base + 4 * shard)
+        if lo < hi:
+            piece = avg[lo - base: hi - base]
+            codec.decode_packed_sums(sums, n, lo - base, hi - lo, scaler, out=piece, backend=cfg.backend,
+                                     nthreads=cfg.num_threads)
+            valid.append(piece)
+    moments = codec.moments(torch.cat(valid)) if valid else codec.Moments(0.0, 0.0, 0.0, 0)
+    scaler = cfg.scaler(moments)
+    rng = codec.RngKey(cfg.seed, plan.step & 0xFFFFFFFF, OWNER_RANK_BASE + owner, tensor_id(f"terngrad.owner.{key}"))
+    reply = torch.empty(OWNER_SCALER_BYTES + shard, dtype=torch.uint8, device=shards.device)
+    reply[:OWNER_SCALER_BYTES] = torch.tensor([scaler], dtype=torch.float32).view(torch.uint8).to(shards.device)
+    codec.ternarize_pack(avg, scaler, rng, out=reply[OWNER_SCALER_BYTES:], backend=cfg.backend,
+                         nthreads=cfg.num_threads)
+    return reply
+
+
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), SummedInt8(), Sharded(),
+                                                          ShardedTernary())}
 
 
 def choose_transport(numel: int, n_workers: int, link: Link | None = None, int8: bool = False) -> str:

@@ -15,6 +15,7 @@ A rank's payload is its records back to back; an allgather concatenates the rank
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ def sum_bits(nranks: int) -> int:
 def sums_size(shard_bytes: int, nranks: int) -> int:
     """Bytes of one owner's packed sums: its shard holds 4 codes a byte, each sum takes sum_bits(N)."""
     return shard_bytes * sum_bits(nranks) // 2
+
+
+# sharded-ternary: each owner's reply starts with its shard's scaler, fp32 little-endian (section 11).
+OWNER_SCALER_BYTES = 4
 
 
 def record_size(numel: int) -> int:
@@ -100,3 +105,13 @@ def check_header(raw: bytes, *, name: str, src_rank: int, my_rank: int, tag: int
         raise PayloadMismatch(f"{where} is from step {h.step}, this rank is at step {step & 0xFFFFFFFF}: "
                               f"ranks are out of step")
     return h
+
+
+def tensor_id(name: str) -> int:
+    """32-bit id of a tensor name: part of its RNG key and of the payload tag."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def payload_tag(name: str, shape, dtype) -> int:
+    """32-bit tag a rank's record carries so the receiver can tell it is the tensor it expects."""
+    return zlib.crc32(f"{name}|{tuple(shape)}|{dtype}".encode())
