@@ -1,9 +1,13 @@
-"""The sharded transport: codes to shard owners (alltoall), b-bit sums back (allgather), the allgather's bits."""
+"""The sharded transports: codes to shard owners (alltoall), b-bit sums or owner codes back (allgather)."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
 from hvd_terngrad.codec import reference
+from tests.golden.make_golden import golden_input
 from tests.mpi_harness import run_ranks
 
 
@@ -171,3 +175,29 @@ def test_sharded_ternary_on_real_ranks_agrees_across_ranks_and_moves_less(np):
     gather, tern = runs[("hvd_terngrad", "allgather")]["stats"], runs[("hvd_terngrad", "sharded-ternary")]["stats"]
     if np >= 4:
         assert tern["bytes_received"] < gather["bytes_received"]
+
+
+SHARDED_GOLDEN = json.loads((Path(__file__).parent / "golden" / "sharded_v1.json").read_text())
+
+
+@pytest.mark.parametrize("case", SHARDED_GOLDEN["cases"], ids=lambda c: f"N{c['nranks']}")
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sharded_golden_vectors(case, backend):
+    """The C++ kernels and the reference write the pinned bytes of section 10 for 4-, 8- and 16-bit sums."""
+    n, shard = case["nranks"], case["shard_bytes"]
+    streams = []
+    for r in range(n):
+        parts = [codec.ternarize_pack(golden_input(k, "float32"), SHARDED_GOLDEN["scaler"],
+                                      codec.RngKey(SHARDED_GOLDEN["seed"], SHARDED_GOLDEN["step"], r, 100 + t),
+                                      backend=backend) for t, k in enumerate(SHARDED_GOLDEN["numels"])]
+        stream = torch.cat(parts)
+        streams.append(torch.cat([stream, stream.new_zeros((-stream.numel()) % n)]))
+    sums = torch.cat([codec.sum_code_shards(torch.stack([s[j * shard:(j + 1) * shard] for s in streams]), n,
+                                            backend=backend) for j in range(n)])
+    assert bytes(sums.tolist()).hex() == case["sums_hex"]
+    off = 0
+    for k in SHARDED_GOLDEN["numels"]:  # each tensor decodes to the allgather's bits
+        want = codec.decode_mean([s[off: off + (k + 3) // 4].contiguous() for s in streams], [0.5] * n, True, k,
+                                 backend="reference")
+        assert torch.equal(codec.decode_packed_sums(sums, n, 4 * off, k, 0.5, backend=backend), want)
+        off += (k + 3) // 4

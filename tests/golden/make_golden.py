@@ -1,6 +1,6 @@
-"""Regenerate tests/golden/codec_v1.json from the torch reference (only when the wire format changes).
+"""Regenerate the golden vectors from the torch reference (only when the wire format changes).
 
-    python tests/golden/make_golden.py
+    python -m tests.golden.make_golden      # codec_v1.json (sections 1-6), sharded_v1.json (sections 10-11)
 """
 import json
 import math
@@ -44,5 +44,40 @@ def main():
     print(f"wrote {path}")
 
 
+# Sharded transports: a stream of three tensors (numel 13, 64, 5) per rank, for N = 3, 8 and 130 ranks
+# (4-, 8- and 16-bit sums), each rank's codes drawn from golden inputs with its own rank in the key.
+SHARDED_NUMELS = (13, 64, 5)
+SHARDED_RANKS = (3, 8, 130)
+
+
+def sharded_stream(nranks: int, rank: int) -> torch.Tensor:
+    parts = [reference.ternarize_pack(golden_input(n, "float32"), 0.9, 17, 4, rank, 100 + t)
+             for t, n in enumerate(SHARDED_NUMELS)]
+    stream = torch.cat(parts)
+    pad = (-stream.numel()) % nranks
+    return torch.cat([stream, stream.new_zeros(pad)])
+
+
+def sharded_cases() -> list[dict]:
+    cases = []
+    for n in SHARDED_RANKS:
+        streams = [sharded_stream(n, r) for r in range(n)]
+        shard = streams[0].numel() // n
+        replies = []
+        for j in range(n):
+            sums, _ = reference.sum_shards(torch.stack([s[j * shard:(j + 1) * shard] for s in streams]))
+            replies.append(reference.pack_sums(sums, n))
+        cases.append({"nranks": n, "shard_bytes": shard, "sums_hex": bytes(torch.cat(replies).tolist()).hex()})
+    return cases
+
+
+def main_sharded():
+    path = Path(__file__).with_name("sharded_v1.json")
+    path.write_text(json.dumps({"wire_format_version": 1, "numels": SHARDED_NUMELS, "scaler": 0.9, "seed": 17,
+                                "step": 4, "cases": sharded_cases()}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
     main()
+    main_sharded()
