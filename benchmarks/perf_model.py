@@ -33,6 +33,7 @@ from benchmarks.methods import parse_method
 from benchmarks.models import Split, build, split_of, synthetic_batch
 from benchmarks.timeline import Host, host_step_seconds
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
+from hvd_terngrad.transports import TRANSPORTS
 from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
 
 
@@ -70,6 +71,15 @@ def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Lin
         width = 2 if method == "terngrad:summed" else 1
         inside = 2 * allreduce_time(width * s.coded, g, intra) if g > 1 else 0.0
         return inside + allreduce_time(width * s.coded, m, link) + scalers + floats
+    transport, _, mode = method.partition(":")[2].partition(":")
+    if transport in ("sharded", "sharded-ternary") and mode in ("", "hier"):
+        t = TRANSPORTS[transport]
+        if mode == "hier" and g > 1:  # float reduce to one leader per node, the transport between nodes, broadcast
+            return (2 * allreduce_time(4 * s.total, g, intra) + t.seconds(s.coded, m, link)
+                    + allreduce_time(SCALER_ENTRY_BYTES * s.tensors, m, link)
+                    + (allreduce_time(4 * s.floats, m, link) if s.floats else 0.0))
+        # flat: every GPU a shard owner; a node's GPUs share its link
+        return t.seconds(s.coded, n, Link(link.bandwidth / g, link.latency)) + scalers + floats
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -185,7 +195,9 @@ def extrapolate(out_dir: Path) -> dict:
     import matplotlib.pyplot as plt
 
     gpus = [2**k for k in range(10)]  # 1 .. 512
-    methods = {"fp32": "FP32", "terngrad": "TernGrad allgather", "terngrad:summed": "TernGrad summed"}
+    methods = {"fp32": "FP32", "terngrad": "TernGrad allgather", "terngrad:summed": "TernGrad summed",
+               "terngrad:sharded": "TernGrad sharded", "terngrad:sharded-ternary": "TernGrad sharded-ternary",
+               "terngrad:sharded-ternary:hier": "TernGrad sharded-ternary, hierarchical"}
     fig, axes = plt.subplots(len(CLUSTERS), len(PAPER_MODELS), figsize=(15, 8), squeeze=False)
     summary = {}
     for i, (cname, cl) in enumerate(CLUSTERS.items()):
@@ -215,7 +227,9 @@ def extrapolate(out_dir: Path) -> dict:
             summary[f"{mname} / {cname}"] = {
                 "speedup_terngrad_512": curves["terngrad"][-1] / curves["fp32"][-1],
                 "speedup_summed_512": curves["terngrad:summed"][-1] / curves["fp32"][-1],
-                "summed_beats_allgather_from_gpus": cross, "from_nodes": nodes}
+                "summed_beats_allgather_from_gpus": cross, "from_nodes": nodes,
+                **{f"speedup_{meth}_512": curves[meth][-1] / curves["fp32"][-1]
+                   for meth in methods if ":sharded" in meth}}
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Performance model: training throughput, 1 to 512 GPUs (4 per node)")
     fig.tight_layout()
@@ -296,14 +310,21 @@ def main(argv=None):
             Path(args.markdown).write_text(text + "\n")
         return 0
     summary = extrapolate(Path(args.out))
-    print("| model / cluster | TernGrad allgather / FP32 at 512 GPUs | summed / FP32 at 512 | "
-          "summed beats allgather from |")
-    print("|---|---:|---:|---|")
+    print(extrapolation_table(summary))
+    return 0
+
+
+def extrapolation_table(summary: dict) -> str:
+    """Each transport's throughput over FP32's at 512 GPUs, per model and cluster."""
+    lines = ["| model / cluster | allgather | summed | sharded | sharded-ternary | sharded-ternary, hierarchical | "
+             "summed beats allgather from |", "|---|---:|---:|---:|---:|---:|---|"]
     for k, v in summary.items():
         frm = ("never (<= 512)" if v["from_nodes"] is None
                else f"{v['summed_beats_allgather_from_gpus']} GPUs ({v['from_nodes']} nodes)")
-        print(f"| {k} | {v['speedup_terngrad_512']:.1f}x | {v['speedup_summed_512']:.1f}x | {frm} |")
-    return 0
+        lines.append(f"| {k} | {v['speedup_terngrad_512']:.1f}x | {v['speedup_summed_512']:.1f}x | "
+                     f"{v['speedup_terngrad:sharded_512']:.1f}x | {v['speedup_terngrad:sharded-ternary_512']:.1f}x | "
+                     f"{v['speedup_terngrad:sharded-ternary:hier_512']:.1f}x | {frm} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.models import build, split_of
-from hvd_terngrad.commcost import Link, allgather_bytes, allreduce_bytes, allreduce_time
+from hvd_terngrad.commcost import Link, allreduce_bytes, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
-from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
-
-# A record's codes are padded to a multiple of 8 bytes: about this much per tensor.
-PADDING_BYTES = 8
+from hvd_terngrad.wire import SCALER_ENTRY_BYTES
 
 
 def split(model: str) -> tuple[int, int, int]:
@@ -31,11 +28,7 @@ def predict_bytes(row: dict) -> float:
     """Bytes a node sends per step under ring algorithms: commcost's bandwidth terms."""
     coded, tensors, floats = split(row["model"])
     n = row["nodes"]
-    transport = row.get("transport") or "allgather"
-    if transport == "allgather":
-        per = allgather_bytes(coded / 4 + HEADER_SIZE * tensors + PADDING_BYTES * tensors, n)
-    else:
-        per = allreduce_bytes((2 if transport == "summed" else 1) * coded, n)
+    per = TRANSPORTS[row.get("transport") or "allgather"].wire_bytes(coded, tensors, n)
     return per + allreduce_bytes(SCALER_ENTRY_BYTES * tensors + 4 * floats, n)
 
 

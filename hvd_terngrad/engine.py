@@ -68,7 +68,7 @@ class TernGradEngine:
         self.residuals: dict[str, torch.Tensor] = {}
         self.stats = StatsRecorder()
         self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
-        self._scratch_buf: torch.Tensor | None = None
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------
     def next_step(self) -> None:
@@ -216,7 +216,8 @@ class TernGradEngine:
             return [codec.decode_packed_sums(packed, n, 4 * it.offset, it.numel, it.scaler,
                                              out=outs[i] if outs else None) for i, it in enumerate(items)]
 
-    def decode_owner_codes(self, items: list[Item], gathered: torch.Tensor) -> list[torch.Tensor]:
+    def decode_owner_codes(self, items: list[Item], gathered: torch.Tensor,
+                           outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """The averages from every owner's reply of sharded-ternary (section 11): [fp32 scaler, codes of its
         shard] in rank order; each element is its owner's code times its owner's scaler."""
         n = self.size
@@ -230,11 +231,14 @@ class TernGradEngine:
             rows = gathered.view(n, wire.OWNER_SCALER_BYTES + shard)
             scalers = rows[:, :wire.OWNER_SCALER_BYTES].contiguous().view(torch.float32).reshape(-1).tolist()
             codes = rows[:, wire.OWNER_SCALER_BYTES:].reshape(-1)
-            return [self._decode_pieces(it, codes, scalers, shard) for it in items]
+            return [self._decode_pieces(it, codes, scalers, shard, outs[i] if outs else None)
+                    for i, it in enumerate(items)]
 
-    def _decode_pieces(self, it: Item, codes: torch.Tensor, scalers: list[float], shard: int) -> torch.Tensor:
+    def _decode_pieces(self, it: Item, codes: torch.Tensor, scalers: list[float], shard: int,
+                       out: torch.Tensor | None) -> torch.Tensor:
         """One tensor's elements, piece by piece of the owners' shards it spans (shards end on whole bytes)."""
-        out = torch.empty(it.numel, dtype=torch.float32, device=codes.device)
+        if out is None:
+            out = torch.empty(it.numel, dtype=torch.float32, device=codes.device)
         first, end = 4 * it.offset, 4 * it.offset + it.numel
         for j in range(first // (4 * shard), (end - 1) // (4 * shard) + 1):
             lo, hi = max(first, 4 * shard * j), min(end, 4 * shard * (j + 1))
@@ -267,7 +271,7 @@ class TernGradEngine:
                 else:
                     codes = codec.ternarize_pack(it.flat, it.scaler, self.key(it), backend=cfg.backend,
                                                  nthreads=cfg.num_threads)
-                    b = codec.decode_mean([codes], [1.0], True, it.numel, out=self._scratch(it.numel, dev),
+                    b = codec.decode_mean([codes], [1.0], True, it.numel, out=self.scratch(it.numel, dev),
                                          backend=cfg.backend, nthreads=cfg.num_threads)
                     values[off: off + it.numel].copy_(b)
                     if cfg.error_feedback:
@@ -278,12 +282,12 @@ class TernGradEngine:
                                  scaler_bytes=wire.SCALER_ENTRY_BYTES)
         return values
 
-    def _scratch(self, n: int, device: torch.device) -> torch.Tensor:
-        """A reused fp32 buffer: the values encoder's ±1 codes would otherwise be a fresh (page-faulting)
-        allocation per tensor and step."""
-        buf = self._scratch_buf
+    def scratch(self, n: int, device: torch.device, use: str = "values") -> torch.Tensor:
+        """A reused fp32 buffer per use: the values encoder's ±1 codes, or a shard owner's averages, would
+        otherwise be a fresh (page-faulting) allocation per tensor and step."""
+        buf = self._scratch_bufs.get(use)
         if buf is None or buf.numel() < n or buf.device != device:
-            buf = self._scratch_buf = torch.empty(n, dtype=torch.float32, device=device)
+            buf = self._scratch_bufs[use] = torch.empty(n, dtype=torch.float32, device=device)
         return buf[:n]
 
     def decode_sums(self, items: list[Item], summed: torch.Tensor,

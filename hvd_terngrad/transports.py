@@ -15,11 +15,24 @@ imports no Horovod: `comm` is handed in.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from hvd_terngrad import codec
-from hvd_terngrad.commcost import Link, allgather_time, allreduce_time, alltoall_time
-from hvd_terngrad.wire import HEADER_SIZE, OWNER_SCALER_BYTES, codes_size, sum_bits, tensor_id
+from hvd_terngrad.commcost import (
+    Link,
+    allgather_bytes,
+    allgather_time,
+    allreduce_bytes,
+    allreduce_time,
+    alltoall_bytes,
+    alltoall_time,
+)
+from hvd_terngrad.wire import HEADER_SIZE, OWNER_SCALER_BYTES, codes_size, sum_bits, sums_size, tensor_id
+
+# A record's codes are padded to a multiple of 8 bytes: at most 7 a tensor, counted as 8.
+RECORD_PADDING_BYTES = 8
 
 # An owner's Philox stream: rank field 32768 + owner, which no worker has (workers are < 32768 ranks).
 OWNER_RANK_BASE = 1 << 15
@@ -54,6 +67,10 @@ class Transport:
         """Seconds to exchange one coded tensor of `numel` elements (scaler sharing not included)."""
         raise NotImplementedError
 
+    def wire_bytes(self, numel: int, tensors: int, n_workers: int) -> float:
+        """Bytes one worker sends for `tensors` tensors of `numel` coded elements in all, ring algorithms."""
+        raise NotImplementedError
+
 
 class Allgather(Transport):
     """Every rank receives every rank's 2-bit records: (N-1) * n/4 bytes per worker, growing with N."""
@@ -76,6 +93,9 @@ class Allgather(Transport):
 
     def seconds(self, numel, n_workers, link):
         return allgather_time(numel / 4 + HEADER_SIZE, n_workers, link)
+
+    def wire_bytes(self, numel, tensors, n_workers):
+        return allgather_bytes(numel / 4 + HEADER_SIZE * tensors + RECORD_PADDING_BYTES * tensors, n_workers)
 
 
 class Summed(Transport):
@@ -104,6 +124,9 @@ class Summed(Transport):
     def seconds(self, numel, n_workers, link):
         return allreduce_time(2 * numel, n_workers, link)
 
+    def wire_bytes(self, numel, tensors, n_workers):
+        return allreduce_bytes(2 * numel, n_workers)
+
 
 class SummedInt8(Summed):
     """The sums as int8 through mpi4py (Horovod's allreduce takes no int8): half the fp16 bytes, N <= 127, the
@@ -130,6 +153,9 @@ class SummedInt8(Summed):
     def seconds(self, numel, n_workers, link):
         return allreduce_time(numel, n_workers, link)
 
+    def wire_bytes(self, numel, tensors, n_workers):
+        return allreduce_bytes(numel, n_workers)
+
 
 class Sharded(Transport):
     """A parameter server spread over all ranks (docs/wire-format.md, section 10): the bucket's 2-bit codes go
@@ -154,7 +180,8 @@ class Sharded(Transport):
         n = comm.size
         if received.numel() != nbytes:
             raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, sent {nbytes}")
-        sums = codec.sum_code_shards(received.view(n, -1), n)
+        with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
+            sums = codec.sum_code_shards(received.view(n, -1), n)
         return comm.wait(comm.allgather_async(sums, name=f"terngrad.sums.{key}"), f"the code-sum allgather of {what}")
 
     def decode(self, engine, items, received, outs=None):
@@ -168,15 +195,24 @@ class Sharded(Transport):
         return (alltoall_time(numel / 4, n_workers, link)
                 + allgather_time(shard * sum_bits(n_workers) / 2, n_workers, link))
 
+    def reply_bytes(self, shard: int, n_workers: int) -> int:
+        return sums_size(shard, n_workers)
+
+    def wire_bytes(self, numel, tensors, n_workers):
+        shard = -(-(codes_size(numel) + tensors) // n_workers)  # each tensor's codes end on a whole byte
+        return alltoall_bytes(shard * n_workers, n_workers) + allgather_bytes(self.reply_bytes(shard, n_workers),
+                                                                              n_workers)
+
 
 class _Plan:
     """What an owner of sharded-ternary needs besides the codes: where each tensor lies in the stream, its
     shared scaler, and the options and step that key the owner's own draw."""
 
-    __slots__ = ("stream", "segments", "config", "step")
+    __slots__ = ("stream", "segments", "config", "step", "averages")
 
-    def __init__(self, stream, segments, config, step):
+    def __init__(self, stream, segments, config, step, averages):
         self.stream, self.segments, self.config, self.step = stream, segments, config, step
+        self.averages = averages  # the owner's fp32 scratch, 4 elements a shard byte
 
 
 class ShardedTernary(Sharded):
@@ -190,9 +226,10 @@ class ShardedTernary(Sharded):
     collective = "alltoall_u8"
 
     def encode(self, engine, items):
-        stream = engine.encode_stream(items, reply_bytes=lambda shard: shard + OWNER_SCALER_BYTES)
+        stream = engine.encode_stream(items, reply_bytes=lambda shard: self.reply_bytes(shard, engine.size))
         segments = [(4 * it.offset, it.numel, it.scaler) for it in items]
-        return _Plan(stream, segments, engine.config, engine.step)
+        averages = engine.scratch(4 * stream.numel() // engine.size, stream.device, use="owner")
+        return _Plan(stream, segments, engine.config, engine.step, averages)
 
     def start(self, comm, payload, key):
         return comm.alltoall_async(payload.stream, name=f"terngrad.shards.{key}"), payload, key
@@ -203,19 +240,20 @@ class ShardedTernary(Sharded):
         if received.numel() != plan.stream.numel():
             raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, "
                                        f"sent {plan.stream.numel()}")
-        reply = _owner_reply(received.view(comm.size, -1), plan, comm.rank, comm.size, key)
+        with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
+            reply = _owner_reply(received.view(comm.size, -1), plan, comm.rank, comm.size, key)
         return comm.wait(comm.allgather_async(reply, name=f"terngrad.owner.{key}"),
                          f"the owner-code allgather of {what}")
 
     def decode(self, engine, items, received, outs=None):
-        res = engine.decode_owner_codes(items, received)
-        if outs:
-            res = [o.copy_(r) if o is not None else r for o, r in zip(outs, res)]
-        return res
+        return engine.decode_owner_codes(items, received, outs=outs)
 
     def seconds(self, numel, n_workers, link):
         shard = numel / 4 / n_workers
         return alltoall_time(numel / 4, n_workers, link) + allgather_time(shard + OWNER_SCALER_BYTES, n_workers, link)
+
+    def reply_bytes(self, shard: int, n_workers: int) -> int:
+        return shard + OWNER_SCALER_BYTES
 
 
 def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str) -> torch.Tensor:
@@ -223,7 +261,7 @@ def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str
     cfg = plan.config
     shard = shards.shape[1]
     sums = codec.sum_code_shards(shards, n, backend=cfg.backend, nthreads=cfg.num_threads)
-    avg = torch.zeros(4 * shard, dtype=torch.float32, device=shards.device)
+    avg = plan.averages.zero_()
     base, valid = 4 * shard * owner, []
     for start, numel, scaler in plan.segments:  # the shard's pieces of each tensor; padding stays 0
         lo, hi = max(start, base), min(start + numel, base + 4 * shard)
@@ -232,7 +270,10 @@ def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str
             codec.decode_packed_sums(sums, n, lo - base, hi - lo, scaler, out=piece, backend=cfg.backend,
                                      nthreads=cfg.num_threads)
             valid.append(piece)
-    moments = codec.moments(torch.cat(valid)) if valid else codec.Moments(0.0, 0.0, 0.0, 0)
+    if not valid:
+        moments = codec.Moments(0.0, 0.0, 0.0, 0)
+    else:
+        moments = codec.moments(valid[0] if len(valid) == 1 else torch.cat(valid))
     scaler = cfg.scaler(moments)
     rng = codec.RngKey(cfg.seed, plan.step & 0xFFFFFFFF, OWNER_RANK_BASE + owner, tensor_id(f"terngrad.owner.{key}"))
     reply = torch.empty(OWNER_SCALER_BYTES + shard, dtype=torch.uint8, device=shards.device)
