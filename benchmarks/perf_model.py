@@ -78,8 +78,9 @@ def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Lin
             return (2 * allreduce_time(4 * s.total, g, intra) + t.seconds(s.coded, m, link)
                     + allreduce_time(SCALER_ENTRY_BYTES * s.tensors, m, link)
                     + (allreduce_time(4 * s.floats, m, link) if s.floats else 0.0))
-        # flat: every GPU a shard owner; a node's GPUs share its link
-        return t.seconds(s.coded, n, Link(link.bandwidth / g, link.latency)) + scalers + floats
+        # flat: every GPU a shard owner; a node's GPUs share its link (in one node, the fast one)
+        shared = intra if m == 1 else Link(link.bandwidth / g, link.latency)
+        return t.seconds(s.coded, n, shared) + scalers + floats
     raise ValueError(f"unknown method {method!r}")
 
 

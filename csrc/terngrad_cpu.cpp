@@ -335,17 +335,7 @@ void ternarize_impl(const void* xv, int64_t n, float scaler, const Key& key, uin
 
 // ------------------------------------------------------------------------------------------------
 // Decode: a 256-entry table turns one byte into its four values.
-struct Lut {
-  alignas(16) float v[256][4];
-  Lut() {
-    for (int b = 0; b < 256; ++b)
-      for (int w = 0; w < 4; ++w) {
-        const int c = (b >> (2 * w)) & 3;
-        v[b][w] = c == 1 ? 1.0f : c == 2 ? -1.0f : 0.0f;
-      }
-  }
-};
-const Lut kLut;
+const tg::CodeLut<float> kLut;
 
 constexpr int64_t kDecodeBlock = 4096;  // elements, a multiple of 4; the accumulator stays in L1
 

@@ -16,6 +16,19 @@ struct StatPartial {
   int64_t nonfinite = 0;
 };
 
+// One code byte -> its four values in {-1, 0, +1} as T (float for the decode, int8_t for an owner's sums).
+template <class T>
+struct CodeLut {
+  alignas(16) T v[256][4];
+  CodeLut() {
+    for (int b = 0; b < 256; ++b)
+      for (int q = 0; q < 4; ++q) {
+        const int c = (b >> (2 * q)) & 3;
+        v[b][q] = c == 1 ? T(1) : c == 2 ? T(-1) : T(0);
+      }
+  }
+};
+
 // AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
 bool avx512_usable();
 

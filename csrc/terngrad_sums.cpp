@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "terngrad.h"
+#include "terngrad_internal.h"
 
 namespace {
 
@@ -36,18 +37,7 @@ void for_blocks(int64_t nblocks, int nthreads, F&& f) {
   for (auto& th : pool) th.join();
 }
 
-// One code byte -> its four values in {-1, 0, +1}.
-struct SumLut {
-  int8_t v[256][4];
-  SumLut() {
-    for (int b = 0; b < 256; ++b)
-      for (int q = 0; q < 4; ++q) {
-        const int c = (b >> (2 * q)) & 3;
-        v[b][q] = c == 1 ? 1 : c == 2 ? -1 : 0;
-      }
-  }
-};
-const SumLut kSumLut;
+const tg::CodeLut<int8_t> kSumLut;
 
 constexpr int64_t kBlockBytes = 2048;  // code bytes per block: 8192 int16 sums
 

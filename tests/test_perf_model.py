@@ -237,3 +237,20 @@ def test_validate_reads_each_sweep_against_its_own_calibration(tmp_path, capsys)
     b.write_text(json.dumps(sweep(1e9, 0.1 + 0.001 + 4 * 10_510_346 / 1e9)))
     assert main(["validate", str(a), str(b), "--no-overlap"]) == 0
     assert "within +-15%: 2 of 2" in capsys.readouterr().out
+
+
+def test_sharded_transports_in_the_extrapolation():
+    """Flat sharded-ternary beats the allgather and the summed transport at 512 GPUs on Ethernet; one leader per
+    node beats flat; in one node the codes take the fast link."""
+    eth = CLUSTERS["1 Gbps Ethernet + PCIe"]
+    hier = (eth["gpus_per_node"], eth["intra"])
+    s = Split(60_000_000, 20, 60_000)
+    t = {m: comm_seconds(m, s, 512, eth["inter"], hier) for m in
+         ("fp32", "terngrad", "terngrad:summed", "terngrad:sharded", "terngrad:sharded-ternary",
+          "terngrad:sharded-ternary:hier")}
+    assert t["terngrad:sharded-ternary"] < t["terngrad:summed"] < t["terngrad"]
+    assert t["terngrad:sharded-ternary:hier"] < t["terngrad:sharded-ternary"] < t["fp32"] / 3
+    one_node, two_nodes = (comm_seconds("terngrad:sharded-ternary", s, n, eth["inter"], hier) for n in (4, 8))
+    assert one_node < two_nodes / 10  # inside one node the codes cross PCIe, not Ethernet
+    with pytest.raises(ValueError, match="unknown method"):
+        comm_seconds("terngrad:sharded:flat", s, 8, eth["inter"], hier)

@@ -82,15 +82,22 @@ def test_sharded_needs_a_shared_scaler():
         TernGradConfig(transport="sharded", share_scaler=False)
 
 
+def _train_on_ranks(np: int, transport: str) -> dict:
+    """3 steps of tests.test_horovod's model with the allgather and with `transport` (hvd_terngrad optimizer,
+    and the stock one below 8 ranks); every rank must end with the same parameters. Rank 0's results."""
+    runs = {}
+    fronts = [("hvd_terngrad", "allgather"), ("hvd_terngrad", transport), ("stock", transport)]
+    for front, t in fronts if np < 8 else fronts[:2]:
+        res = run_ranks("tests.test_horovod:body_train", np=np, timeout=240, args=(front, {"transport": t}, 3))
+        assert all(torch.equal(r["params"], res[0]["params"]) for r in res)
+        runs[(front, t)] = res[0]
+    return runs
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("np", [2, 4, 8])
 def test_sharded_averages_are_bit_identical_to_the_allgathers_on_real_ranks(np):
-    runs = {}
-    fronts = [("hvd_terngrad", "allgather"), ("hvd_terngrad", "sharded"), ("stock", "sharded")]
-    for front, transport in fronts if np < 8 else fronts[:2]:
-        res = run_ranks("tests.test_horovod:body_train", np=np, timeout=240, args=(front, {"transport": transport}, 3))
-        assert all(torch.equal(r["params"], res[0]["params"]) for r in res)
-        runs[(front, transport)] = res[0]
+    runs = _train_on_ranks(np, "sharded")
     ref = runs[("hvd_terngrad", "allgather")]["params"]
     for key, r in runs.items():
         assert torch.equal(r["params"], ref), key
@@ -165,12 +172,7 @@ def test_sharded_ternary_is_unbiased_given_the_workers_codes():
 @pytest.mark.mpi
 @pytest.mark.parametrize("np", [2, 4, 8])
 def test_sharded_ternary_on_real_ranks_agrees_across_ranks_and_moves_less(np):
-    runs = {}
-    fronts = [("hvd_terngrad", "allgather"), ("hvd_terngrad", "sharded-ternary"), ("stock", "sharded-ternary")]
-    for front, transport in fronts if np < 8 else fronts[:2]:
-        res = run_ranks("tests.test_horovod:body_train", np=np, timeout=240, args=(front, {"transport": transport}, 3))
-        assert all(torch.equal(r["params"], res[0]["params"]) for r in res)
-        runs[(front, transport)] = res[0]
+    runs = _train_on_ranks(np, "sharded-ternary")
     # (the stock optimizer shards each tensor on its own, the hvd_terngrad one a bucket: other owner draws)
     gather, tern = runs[("hvd_terngrad", "allgather")]["stats"], runs[("hvd_terngrad", "sharded-ternary")]["stats"]
     if np >= 4:
