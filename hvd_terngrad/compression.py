@@ -144,7 +144,7 @@ class TernGrad(Compressor):
                                                     what=f"the scaler Max allreduce of {name!r}")
             eng.apply_shared(items, reduced)
             eng.raise_nonfinite(items)
-        t = resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False)
+        t = resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False, link=self.config.link())
         ctx = _Coded(t, t.start(self._comm, t.encode(eng, items), name), items)
         return torch.zeros(1, dtype=torch.float32, device=tensor.device), ctx
 

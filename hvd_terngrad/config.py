@@ -8,11 +8,13 @@ max|g|. Clipping is the accuracy trade-off that matters most (57.6 vs 54.6 top-1
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hvd_terngrad.codec import BACKENDS, Moments
+from hvd_terngrad.commcost import Link
 from hvd_terngrad.transports import TRANSPORTS as _TABLE
 from hvd_terngrad.wire import payload_tag, tensor_id  # noqa: F401  (their home is the wire format)
 
@@ -37,6 +39,8 @@ class TernGradConfig:
     on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
         (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
+    link_gbps: the link between workers in Gbit/s, for transport="auto"'s choice (default: the environment
+        variable HVD_TERNGRAD_LINK_GBPS, else 1 Gbit/s Ethernet).
     timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank
         raises CollectiveTimeoutError naming the tensor (summed-int8, whose MPI call cannot be cancelled,
         aborts the job instead). It must cover the slowest rank's lag in reaching a step, not only the transfer.
@@ -53,6 +57,7 @@ class TernGradConfig:
     on_nonfinite: str = "raise"
     num_threads: int | None = None
     timeout_s: float = 300.0
+    link_gbps: float | None = None
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -75,12 +80,26 @@ class TernGradConfig:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be None or an integer >= 1, got {self.num_threads!r}")
-        if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
-                or not np.isfinite(self.timeout_s) or self.timeout_s <= 0):
+        if not _positive(self.timeout_s):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if self.link_gbps is not None and not _positive(self.link_gbps):
+            raise ValueError(f"link_gbps must be None or a finite number of Gbit/s > 0, got {self.link_gbps!r}")
         for pat in self.exclude:
             if not isinstance(pat, str):
                 raise ValueError(f"exclude holds parameter-name patterns (str), got {pat!r}")
+
+    def link(self) -> Link:
+        """The link transport="auto" plans for: link_gbps, else HVD_TERNGRAD_LINK_GBPS, else commcost's default."""
+        gbps = self.link_gbps
+        if gbps is None and os.environ.get("HVD_TERNGRAD_LINK_GBPS"):
+            try:
+                gbps = float(os.environ["HVD_TERNGRAD_LINK_GBPS"])
+            except ValueError:
+                raise ValueError(f"HVD_TERNGRAD_LINK_GBPS must be a number of Gbit/s, got "
+                                 f"{os.environ['HVD_TERNGRAD_LINK_GBPS']!r}") from None
+            if not gbps > 0:
+                raise ValueError(f"HVD_TERNGRAD_LINK_GBPS must be > 0, got {gbps}")
+        return Link() if gbps is None else Link(bandwidth=gbps * 1e9 / 8)
 
     def compresses(self, name: str, numel: int) -> bool:
         """Whether a tensor is ternarized (True) or passes through in float (False)."""
@@ -99,3 +118,8 @@ class TernGradConfig:
         if self.clip > 0 and st.std > 0:
             s = min(self.clip * st.std, st.absmax)
         return float(np.float32(s))
+
+
+def _positive(x) -> bool:
+    """A finite number > 0 (bool is no number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and bool(np.isfinite(x)) and x > 0

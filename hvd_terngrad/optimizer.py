@@ -175,7 +175,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if reduced is not None:
             self._engine.apply_shared(b.items, reduced)
         t = b.transport = resolve_transport(self._cfg.transport, sum(it.numel for it in b.items), self._engine.size,
-                                            int8=True)
+                                            int8=True, link=self._cfg.link())
         b.handle = t.start(self._comm, t.encode(self._engine, b.items), f"bucket.{b.index}")
         b.state = "gather"
 

@@ -296,11 +296,11 @@ def choose_transport(numel: int, n_workers: int, link: Link | None = None, int8:
     return min(cands, key=lambda t: t.seconds(numel, n_workers, link)).name
 
 
-def resolve_transport(configured: str, numel: int, n_workers: int, int8: bool) -> Transport:
+def resolve_transport(configured: str, numel: int, n_workers: int, int8: bool, link: Link | None = None) -> Transport:
     """The transport a group of `numel` coded elements takes: the configured one, or for "auto" the model's
-    choice."""
+    choice on `link`."""
     if configured == "auto":
-        configured = choose_transport(numel, n_workers, int8=int8)
+        configured = choose_transport(numel, n_workers, link, int8=int8)
     return TRANSPORTS[configured]
 
 

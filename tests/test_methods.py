@@ -42,3 +42,19 @@ def test_every_transport_states_its_cost_and_auto_picks_the_cheapest_allowed():
     assert choose_transport(1 << 22, 4) == "allgather" and choose_transport(1 << 22, 64) == "summed"
     assert choose_transport(1 << 22, 64, int8=True) == "summed-int8"  # the blocking one only where allowed
     assert choose_transport(1 << 22, 4096) == "allgather"  # beyond every sum's exact range
+
+
+def test_auto_plans_for_the_configured_link(monkeypatch):
+    monkeypatch.delenv("HVD_TERNGRAD_LINK_GBPS", raising=False)
+    assert TernGradConfig().link() == Link()
+    assert TernGradConfig(link_gbps=100).link().bandwidth == 12.5e9
+    monkeypatch.setenv("HVD_TERNGRAD_LINK_GBPS", "25")
+    assert TernGradConfig().link().bandwidth == 25e9 / 8 and TernGradConfig(link_gbps=1).link().bandwidth == 1.25e8
+    monkeypatch.setenv("HVD_TERNGRAD_LINK_GBPS", "fast")
+    with pytest.raises(ValueError, match="HVD_TERNGRAD_LINK_GBPS"):
+        TernGradConfig().link()
+    with pytest.raises(ValueError, match="link_gbps"):
+        TernGradConfig(link_gbps=0)
+    # a slower link moves the allgather/summed crossover down: more bytes matter more than more latency
+    slow, fast = Link(bandwidth=1e6, latency=50e-6), Link(bandwidth=1e10, latency=50e-6)
+    assert choose_transport(1 << 16, 32, slow) == "summed" and choose_transport(1 << 16, 32, fast) == "allgather"
