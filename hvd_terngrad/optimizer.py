@@ -183,6 +183,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             if b.state == "scaler" and self._comm.poll(b.scaler_handle):
                 self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
+            elif b.state == "gather":
+                b.transport.advance(self._comm, b.handle, self._what_bucket(b), block=False)
 
     def _what(self, collective: str, b: _Bucket) -> str:
         return f"the {collective} of {self._what_bucket(b)}"
@@ -205,6 +207,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             for b in self._buckets:
                 if b.state == "scaler":
                     self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
+            for b in self._buckets:  # every bucket's next collective in flight before any wait for a result
+                if b.items:
+                    b.transport.advance(self._comm, b.handle, self._what_bucket(b), block=True)
             bad: list[Item] = []
             for b in self._buckets:
                 if b.items:

@@ -53,6 +53,11 @@ class Transport:
     def start(self, comm, payload: torch.Tensor, key: str):
         raise NotImplementedError
 
+    def advance(self, comm, handle, what: str, block: bool) -> None:
+        """Move a transport of several collectives on to its next one, once the current one is done (block:
+        wait for it, at most timeout_s). Called from backward hooks and before synchronize() waits, so that a
+        bucket's second collective starts while others still run. Single-collective transports: nothing."""
+
     def finish(self, comm, handle, what: str) -> torch.Tensor:
         return comm.wait(handle, f"the code {self.name} of {what}")
 
@@ -169,20 +174,29 @@ class Sharded(Transport):
     auto_ok = False  # not yet calibrated on the emulated clusters
 
     def encode(self, engine, items):
-        return engine.encode_stream(items)
+        return _Plan(engine.encode_stream(items), [], engine.config, engine.step, None)
 
     def start(self, comm, payload, key):
-        return comm.alltoall_async(payload, name=f"terngrad.shards.{key}"), payload.numel(), key
+        return _Flight(comm.alltoall_async(payload.stream, name=f"terngrad.shards.{key}"), payload, key)
+
+    def advance(self, comm, handle, what, block):
+        if handle.gather is not None or not (block or comm.poll(handle.alltoall)):
+            return
+        received = comm.wait(handle.alltoall, f"the code alltoall of {what}")
+        if received.numel() != handle.plan.stream.numel():
+            raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, sent "
+                                       f"{handle.plan.stream.numel()}")
+        with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
+            reply = self._owner_reply(received.view(comm.size, -1), handle.plan, comm.rank, comm.size, handle.key)
+        handle.gather = comm.allgather_async(reply, name=f"terngrad.{self.name}.{handle.key}")
 
     def finish(self, comm, handle, what):
-        alltoall, nbytes, key = handle
-        received = comm.wait(alltoall, f"the code alltoall of {what}")
-        n = comm.size
-        if received.numel() != nbytes:
-            raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, sent {nbytes}")
-        with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
-            sums = codec.sum_code_shards(received.view(n, -1), n)
-        return comm.wait(comm.allgather_async(sums, name=f"terngrad.sums.{key}"), f"the code-sum allgather of {what}")
+        self.advance(comm, handle, what, block=True)
+        return comm.wait(handle.gather, f"the reply allgather of {what}")
+
+    def _owner_reply(self, shards, plan, owner, n, key):
+        """What owner `owner` sends back for its shard: the packed sums."""
+        return codec.sum_code_shards(shards, n, backend=plan.config.backend, nthreads=plan.config.num_threads)
 
     def decode(self, engine, items, received, outs=None):
         return engine.decode_packed_sums(items, received, outs=outs)
@@ -205,8 +219,9 @@ class Sharded(Transport):
 
 
 class _Plan:
-    """What an owner of sharded-ternary needs besides the codes: where each tensor lies in the stream, its
-    shared scaler, and the options and step that key the owner's own draw."""
+    """A sharded bucket's payload: the stream of codes, and what an owner of sharded-ternary needs besides the
+    codes (where each tensor lies in the stream, its shared scaler, the options and step that key the owner's
+    own draw, a scratch buffer for its averages)."""
 
     __slots__ = ("stream", "segments", "config", "step", "averages")
 
@@ -231,19 +246,8 @@ class ShardedTernary(Sharded):
         averages = engine.scratch(4 * stream.numel() // engine.size, stream.device, use="owner")
         return _Plan(stream, segments, engine.config, engine.step, averages)
 
-    def start(self, comm, payload, key):
-        return comm.alltoall_async(payload.stream, name=f"terngrad.shards.{key}"), payload, key
-
-    def finish(self, comm, handle, what):
-        alltoall, plan, key = handle
-        received = comm.wait(alltoall, f"the code alltoall of {what}")
-        if received.numel() != plan.stream.numel():
-            raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, "
-                                       f"sent {plan.stream.numel()}")
-        with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
-            reply = _owner_reply(received.view(comm.size, -1), plan, comm.rank, comm.size, key)
-        return comm.wait(comm.allgather_async(reply, name=f"terngrad.owner.{key}"),
-                         f"the owner-code allgather of {what}")
+    def _owner_reply(self, shards, plan, owner, n, key):
+        return _owner_reply(shards, plan, owner, n, key)
 
     def decode(self, engine, items, received, outs=None):
         return engine.decode_owner_codes(items, received, outs=outs)
@@ -254,6 +258,15 @@ class ShardedTernary(Sharded):
 
     def reply_bytes(self, shard: int, n_workers: int) -> int:
         return shard + OWNER_SCALER_BYTES
+
+
+class _Flight:
+    """A sharded bucket in flight: its alltoall, then (once advanced) the allgather of the owners' replies."""
+
+    __slots__ = ("alltoall", "plan", "key", "gather")
+
+    def __init__(self, alltoall, plan, key):
+        self.alltoall, self.plan, self.key, self.gather = alltoall, plan, key, None
 
 
 def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str) -> torch.Tensor:
