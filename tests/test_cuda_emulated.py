@@ -32,6 +32,9 @@ def emu(tmp_path_factory):
     u32 = ctypes.c_uint32
     lib.emu_ternarize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float, u32, u32, u32, u32,
                                   u32, ctypes.c_void_p]
+    lib.emu_sum_shards.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
+    lib.emu_decode_packed_sums.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                           ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p]
     lib.emu_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
                                ctypes.c_longlong, ctypes.c_void_p]
     return lib
@@ -71,3 +74,31 @@ def test_gpu_kernels_match_reference(emu, dtype, n):
         ref, ok = reference.decode_mean([a, c], scalers, shared, n)
         assert bad == 0 and ok
         assert torch.equal(out, ref)
+
+
+SHARDED = json.loads((HERE / "golden" / "sharded_v1.json").read_text())
+
+
+@pytest.mark.parametrize("case", SHARDED["cases"], ids=lambda c: f"N{c['nranks']}")
+def test_gpu_sharded_kernels_write_the_golden_sums_and_decode_them(emu, case):
+    """tg_sum_shards and tg_decode_packed_sums, played on the host, against section 10's golden bytes."""
+    from hvd_terngrad import wire
+    from tests.golden.make_golden import sharded_stream
+
+    n, shard = case["nranks"], case["shard_bytes"]
+    bits = wire.sum_bits(n)
+    streams = [sharded_stream(n, r) for r in range(n)]
+    sums = []
+    for j in range(n):
+        rows = [s[j * shard:(j + 1) * shard].contiguous() for s in streams]
+        ptrs = np.array([r.data_ptr() for r in rows], dtype=np.uint64)
+        out = torch.zeros(wire.sums_size(shard, n), dtype=torch.uint8)
+        assert emu.emu_sum_shards(ptrs.ctypes.data, n, shard, bits, out.data_ptr()) == 0
+        sums.append(out)
+    packed = torch.cat(sums)
+    assert bytes(packed.tolist()).hex() == case["sums_hex"]
+    post = np.float32(0.5) / np.float32(n)
+    for start, k in [(0, 13), (16, 64), (4 * shard * n - 8, 5)]:
+        out = torch.empty(k, dtype=torch.float32)
+        emu.emu_decode_packed_sums(packed.data_ptr(), n, bits, start, k, float(post), out.data_ptr())
+        assert torch.equal(out, codec.decode_packed_sums(packed, n, start, k, 0.5, backend="reference"))

@@ -152,10 +152,13 @@ def sum_code_shards(shards: torch.Tensor, nranks: int, backend: str = "auto",
     if shards.dtype != torch.uint8 or shards.dim() != 2 or shards.shape[0] != nranks:
         raise ValueError(f"shards must be uint8 of shape ({nranks}, S), got {tuple(shards.shape)} {shards.dtype}")
     shards = shards.contiguous()
-    be = _sums_backend(shards, backend)
-    if be == "cpu":
-        out = torch.empty(sums_size(shards.shape[1], nranks), dtype=torch.uint8)
-        ok = cpu.sum_shards(shards, nranks, out, nthreads)
+    be = resolve_backend(shards, backend)
+    if be in ("cpu", "cuda"):
+        out = torch.empty(sums_size(shards.shape[1], nranks), dtype=torch.uint8, device=shards.device)
+        if be == "cpu":
+            ok = cpu.sum_shards(shards, nranks, out, nthreads)
+        else:
+            ok = _cuda().sum_shards(shards, nranks, sum_bits(nranks), out)
     else:
         sums, ok = reference.sum_shards(shards)
         out = reference.pack_sums(sums, nranks)
@@ -176,13 +179,12 @@ def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, sc
         raise ValueError(f"elements [{start}, {start + n}) are beyond the {packed.numel()} bytes of sums")
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
-    if _sums_backend(packed, backend) == "cpu" and out.is_contiguous() and out.dtype == torch.float32:
-        cpu.decode_packed_sums(packed.contiguous(), nranks, start, n, scaler, out, nthreads)
+    be = resolve_backend(packed, backend)
+    if be != "reference" and out.is_contiguous() and out.dtype == torch.float32:
+        if be == "cpu":
+            cpu.decode_packed_sums(packed.contiguous(), nranks, start, n, scaler, out, nthreads)
+        else:
+            _cuda().decode_packed_sums(packed.contiguous(), nranks, bits, start, n, scaler, out)
         return out
     sums = reference.unpack_sums(packed[lo:hi], nranks)[: n]
     return out.copy_(reference.decode_sums(sums, scaler, nranks))
-
-
-def _sums_backend(x: torch.Tensor, backend: str) -> str:
-    """The C++ kernels for CPU tensors; torch ops (the reference) elsewhere, GPUs included, for now."""
-    return "cpu" if resolve_backend(x, backend) == "cpu" else "reference"

@@ -116,3 +116,28 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
         k(((nbytes + _THREADS - 1) // _THREADS,), (_THREADS,),
           (ptrs, np.int32(nr), w, np.int32(int(shared)), np.float32(post), np.int64(n), _wrap(out), bad))
         return int(bad.get()[0]) == 0
+
+
+def sum_shards(shards: torch.Tensor, nranks: int, bits: int, out: torch.Tensor) -> bool:
+    """An owner's packed sums of the rows of `shards` into `out`; False when a code is invalid (0b11)."""
+    shard_bytes = shards.shape[1]
+    if shard_bytes == 0:
+        return True
+    with _OnTorchStream(shards):
+        ptrs = cp.asarray(np.array([shards[r].data_ptr() for r in range(nranks)], dtype=np.uint64))
+        bad = cp.zeros(1, dtype=cp.int32)
+        k = _kernels().get_function("tg_sum_shards")
+        k(((shard_bytes + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (ptrs, np.int32(nranks), np.int64(shard_bytes), np.int32(bits), _wrap(out), bad))
+        return int(bad.get()[0]) == 0
+
+
+def decode_packed_sums(packed: torch.Tensor, nranks: int, bits: int, start: int, n: int, scaler: float,
+                       out: torch.Tensor) -> None:
+    if n == 0:
+        return
+    post = np.float32(scaler) / np.float32(nranks)
+    with _OnTorchStream(out):
+        k = _kernels().get_function("tg_decode_packed_sums")
+        k(((n + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (_wrap(packed), np.int32(nranks), np.int32(bits), np.int64(start), np.int64(n), np.float32(post), _wrap(out)))

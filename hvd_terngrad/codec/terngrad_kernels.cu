@@ -146,6 +146,59 @@ extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nr
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Sharded transport (docs/wire-format.md, section 10). An owner's step: one thread per code byte k of its
+// shard adds the nranks ranks' four codes there and writes the four sums as sum + nranks in `bits` bits.
+extern "C" __global__ void tg_sum_shards(const unsigned long long* shards, int nranks, long long shard_bytes,
+                                         int bits, unsigned char* out, int* bad) {
+  const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (k >= shard_bytes) return;
+  int acc[4] = {0, 0, 0, 0};
+  unsigned int badbits = 0;
+  for (int r = 0; r < nranks; ++r) {
+    const unsigned char byte = ((const unsigned char*)shards[r])[k];
+    badbits |= byte & (byte >> 1) & 0x55u;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned int c = (byte >> (2 * q)) & 3u;
+      acc[q] += c == 1u ? 1 : (c == 2u ? -1 : 0);
+    }
+  }
+  if (badbits) atomicOr(bad, 1);
+  if (bits == 4) {
+    out[2 * k] = (unsigned char)((acc[0] + nranks) | (acc[1] + nranks) << 4);
+    out[2 * k + 1] = (unsigned char)((acc[2] + nranks) | (acc[3] + nranks) << 4);
+  } else if (bits == 8) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) out[4 * k + q] = (unsigned char)(acc[q] + nranks);
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const unsigned int v = (unsigned int)(acc[q] + nranks);
+      out[8 * k + 2 * q] = (unsigned char)(v & 0xffu);
+      out[8 * k + 2 * q + 1] = (unsigned char)(v >> 8);
+    }
+  }
+}
+
+// Elements [start, start + n) of a stream of packed sums as fp32 means, one thread per element:
+// out = fl32(float(sum) * post), post = fl32(scaler / nranks).
+extern "C" __global__ void tg_decode_packed_sums(const unsigned char* packed, int nranks, int bits, long long start,
+                                                 long long n, float post, float* out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const long long e = start + i;
+  int v;
+  if (bits == 4) {
+    v = (packed[e / 2] >> (4 * (e & 1))) & 15;
+  } else if (bits == 8) {
+    v = packed[e];
+  } else {
+    v = packed[2 * e] | packed[2 * e + 1] << 8;
+  }
+  out[i] = __fmul_rn((float)(v - nranks), post);
+}
+
+// ---------------------------------------------------------------------------------------------------
 #define TG_INSTANTIATE(SUFFIX, T)                                                                              \
   extern "C" __global__ void tg_stats_partial_##SUFFIX(const T* x, long long n, long long chunk, double big,     \
                                                        double* psum, double* psq, double* pmax,                 \

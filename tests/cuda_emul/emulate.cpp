@@ -51,7 +51,30 @@ static void dec_body(void* p) {
   tg_decode_sum(a->codes, a->nranks, a->w, a->shared, a->post, a->n, a->out, a->bad);
 }
 
+struct SumArgs { const unsigned long long* shards; int nranks; long long shard_bytes; int bits; unsigned char* out; int* bad; };
+static void sum_body(void* p) {
+  auto* a = static_cast<SumArgs*>(p);
+  tg_sum_shards(a->shards, a->nranks, a->shard_bytes, a->bits, a->out, a->bad);
+}
+
+struct PackedArgs { const unsigned char* packed; int nranks, bits; long long start, n; float post; float* out; };
+static void packed_body(void* p) {
+  auto* a = static_cast<PackedArgs*>(p);
+  tg_decode_packed_sums(a->packed, a->nranks, a->bits, a->start, a->n, a->post, a->out);
+}
+
 extern "C" {
+int emu_sum_shards(const unsigned long long* shards, int nranks, long long shard_bytes, int bits, unsigned char* out) {
+  int bad = 0;
+  SumArgs a{shards, nranks, shard_bytes, bits, out, &bad};
+  grid((shard_bytes + 255) / 256 * 256, sum_body, &a);
+  return bad;
+}
+void emu_decode_packed_sums(const unsigned char* packed, int nranks, int bits, long long start, long long n, float post,
+                            float* out) {
+  PackedArgs a{packed, nranks, bits, start, n, post, out};
+  grid((n + 255) / 256 * 256, packed_body, &a);
+}
 void emu_ternarize(int dt, const void* x, long long n, float s17, unsigned k0, unsigned k1, unsigned c1, unsigned tid,
                    unsigned step, unsigned char* out) {
   TernArgs a{dt, x, n, s17, k0, k1, c1, tid, step, out};
