@@ -208,6 +208,9 @@ class TernGradStep:
                  bucket_bytes: int):
         self.tl, self.transport = tl, TRANSPORTS[transport]
         self.codec = tl.host.codec.get(transport)
+        if self.codec is None or self.transport.collective not in tl.host.curves:
+            raise ValueError(f"the calibration has no curves for transport {transport!r} (benchmarks/calibrate.py "
+                             f"measures {', '.join(tl.host.codec)}): the timeline cannot replay it")
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
         for i in floats:
             n, numel = params[i]

@@ -5,10 +5,10 @@
 
 How it fits the stock optimizer: Horovod calls compress(grad) in the backward hook and allreduces what
 it returns, then calls decompress(output, ctx) in synchronize(). compress() therefore shares the scaler
-(a blocking Max allreduce of 16 bytes), ternarizes the gradient and starts the collective that carries the
-codes itself (an allgather of the packed record, or a Sum of the code values); it hands Horovod a 1-element
-placeholder to allreduce. decompress() waits for that collective, at most timeout_s like every wait of
-TernGrad's, and decodes the average. Small or excluded tensors pass through unchanged (plain average). A
+(a blocking Max allreduce of 16 bytes), ternarizes the gradient and starts its transport's first collective
+itself (an allgather of the packed record, a Sum of the code values, or an alltoall of code shards); it hands
+Horovod a 1-element placeholder to allreduce. decompress() finishes the transport, each wait at most
+timeout_s like every wait of TernGrad's, and decodes the average. Small or excluded tensors pass through unchanged (plain average). A
 sparse gradient (sparse_as_dense=False) never reaches compress(): Horovod averages it itself and
 decompress(output, None) returns that average as it is, like Compression.none.
 
