@@ -8,9 +8,9 @@ it returns, then calls decompress(output, ctx) in synchronize(). compress() ther
 (a blocking Max allreduce of 16 bytes), ternarizes the gradient and starts its transport's first collective
 itself (an allgather of the packed record, a Sum of the code values, or an alltoall of code shards); it hands
 Horovod a 1-element placeholder to allreduce. decompress() finishes the transport, each wait at most
-timeout_s like every wait of TernGrad's, and decodes the average. Small or excluded tensors pass through unchanged (plain average). A
-sparse gradient (sparse_as_dense=False) never reaches compress(): Horovod averages it itself and
-decompress(output, None) returns that average as it is, like Compression.none.
+timeout_s like every wait of TernGrad's, and decodes the average. Small or excluded tensors pass through
+unchanged (plain average). A sparse gradient (sparse_as_dense=False) never reaches compress(): Horovod
+averages it itself and decompress(output, None) returns that average as it is, like Compression.none.
 
 Trade-off against hvd_terngrad.DistributedOptimizer: the stock path blocks the backward pass once per
 tensor for the scaler and sends one allgather per tensor; the hvd_terngrad optimizer shares the scalers
