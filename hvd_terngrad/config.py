@@ -32,6 +32,9 @@ class TernGradConfig:
     exclude: fnmatch patterns of parameter names that pass through in float, e.g. ("fc.*",).
     seed: the Philox key; with step, rank and tensor it fixes every random draw.
     error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
+    owner_error_feedback: transport="sharded-ternary" only: each shard owner keeps the error of its second
+        draw and adds it to its next average of that shard (dropped when the shard's layout changes, as with
+        another world size).
     backend: codec backend, one of "auto", "cpu", "cuda", "reference".
     transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
         an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
@@ -52,6 +55,7 @@ class TernGradConfig:
     exclude: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
     error_feedback: bool = False
+    owner_error_feedback: bool = False
     backend: str = "auto"
     transport: str = "allgather"
     on_nonfinite: str = "raise"
@@ -76,6 +80,9 @@ class TernGradConfig:
             raise ValueError(f"unknown transport {self.transport!r}; allowed: {', '.join(TRANSPORTS)}")
         if self.transport in _TABLE and _TABLE[self.transport].needs_shared_scaler and not self.share_scaler:
             raise ValueError(f"transport={self.transport!r} sums codes across ranks, which needs share_scaler=True")
+        if self.owner_error_feedback and self.transport != "sharded-ternary":
+            raise ValueError("owner_error_feedback keeps the shard owners' error of transport='sharded-ternary'; "
+                             f"transport is {self.transport!r}")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -66,6 +66,7 @@ class TernGradEngine:
         self.size = size
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
+        self.owner_residuals: dict[str, torch.Tensor] = {}  # sharded-ternary: this rank's shard, per group
         self.stats = StatsRecorder()
         self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
         self._scratch_bufs: dict[str, torch.Tensor] = {}

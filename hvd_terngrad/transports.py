@@ -223,11 +223,12 @@ class _Plan:
     codes (where each tensor lies in the stream, its shared scaler, the options and step that key the owner's
     own draw, a scratch buffer for its averages)."""
 
-    __slots__ = ("stream", "segments", "config", "step", "averages")
+    __slots__ = ("stream", "segments", "config", "step", "averages", "residuals")
 
-    def __init__(self, stream, segments, config, step, averages):
+    def __init__(self, stream, segments, config, step, averages, residuals=None):
         self.stream, self.segments, self.config, self.step = stream, segments, config, step
         self.averages = averages  # the owner's fp32 scratch, 4 elements a shard byte
+        self.residuals = residuals  # the engine's owner_residuals, with owner_error_feedback
 
 
 class ShardedTernary(Sharded):
@@ -244,7 +245,7 @@ class ShardedTernary(Sharded):
         stream = engine.encode_stream(items, reply_bytes=lambda shard: self.reply_bytes(shard, engine.size))
         segments = [(4 * it.offset, it.numel, it.scaler) for it in items]
         averages = engine.scratch(4 * stream.numel() // engine.size, stream.device, use="owner")
-        return _Plan(stream, segments, engine.config, engine.step, averages)
+        return _Plan(stream, segments, engine.config, engine.step, averages, engine.owner_residuals)
 
     def _owner_reply(self, shards, plan, owner, n, key):
         return _owner_reply(shards, plan, owner, n, key)
@@ -283,6 +284,9 @@ def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str
             codec.decode_packed_sums(sums, n, lo - base, hi - lo, scaler, out=piece, backend=cfg.backend,
                                      nthreads=cfg.num_threads)
             valid.append(piece)
+    kept = plan.residuals.get(key) if cfg.owner_error_feedback else None
+    if kept is not None and kept.numel() == avg.numel():  # another layout (world size, bucket): start afresh
+        avg += kept
     if not valid:
         moments = codec.Moments(0.0, 0.0, 0.0, 0)
     else:
@@ -291,8 +295,11 @@ def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str
     rng = codec.RngKey(cfg.seed, plan.step & 0xFFFFFFFF, OWNER_RANK_BASE + owner, tensor_id(f"terngrad.owner.{key}"))
     reply = torch.empty(OWNER_SCALER_BYTES + shard, dtype=torch.uint8, device=shards.device)
     reply[:OWNER_SCALER_BYTES] = torch.tensor([scaler], dtype=torch.float32).view(torch.uint8).to(shards.device)
-    codec.ternarize_pack(avg, scaler, rng, out=reply[OWNER_SCALER_BYTES:], backend=cfg.backend,
-                         nthreads=cfg.num_threads)
+    codes = reply[OWNER_SCALER_BYTES:]
+    codec.ternarize_pack(avg, scaler, rng, out=codes, backend=cfg.backend, nthreads=cfg.num_threads)
+    if cfg.owner_error_feedback:  # what this draw lost, added to the shard's next average
+        sent = codec.decode_mean([codes], [scaler], True, avg.numel(), backend=cfg.backend, nthreads=cfg.num_threads)
+        plan.residuals[key] = avg - sent
     return reply
 
 

@@ -203,3 +203,44 @@ def test_sharded_golden_vectors(case, backend):
                                  backend="reference")
         assert torch.equal(codec.decode_packed_sums(sums, n, 4 * off, k, 0.5, backend=backend), want)
         off += (k + 3) // 4
+
+
+def _owner_error_after(steps: int, feedback: bool) -> float:
+    """|sum over steps of the decoded result - steps * the workers' average|, largest element, 4 ranks."""
+    from hvd_terngrad.transports import TRANSPORTS
+
+    t, nranks = TRANSPORTS["sharded-ternary"], 4
+    cfg = TernGradConfig(seed=2, min_numel=1, transport="sharded-ternary", owner_error_feedback=feedback)
+    engines = [TernGradEngine(cfg, r, nranks) for r in range(nranks)]
+    ref = _shared(engines, _bucket)
+    exact = engines[0].decode(ref[0], torch.cat([e.encode(it) for e, it in zip(engines, ref)]))
+    items = _shared(engines, _bucket)
+    plans = [t.encode(e, it) for e, it in zip(engines, items)]
+    total = [torch.zeros_like(x, dtype=torch.float64) for x in exact]
+    for step in range(steps):
+        for p in plans:
+            p.step = step  # the workers' codes stay; the owners draw afresh, each with its kept error
+        for acc, got in zip(total, t.decode(engines[0], items[0], _owners_reply(engines, items, plans))):
+            acc += got.double()
+    return max(float((acc - steps * x.double()).abs().max()) for acc, x in zip(total, exact))
+
+
+def test_owner_error_feedback_keeps_the_accumulated_error_bounded():
+    """With the owners' error kept, the sum of 60 results stays within a draw of 60 averages (clipping included);
+    without it the error of the sum grows like the square root of the steps."""
+    with_ef, without = _owner_error_after(60, True), _owner_error_after(60, False)
+    assert with_ef < without / 3
+    assert _owner_error_after(60, True) < 2 * _owner_error_after(5, True) + 1e-6  # bounded, not growing
+
+
+def test_owner_error_feedback_is_for_sharded_ternary_only():
+    with pytest.raises(ValueError, match="owner_error_feedback"):
+        TernGradConfig(owner_error_feedback=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
+def test_owner_error_feedback_on_real_ranks(front):
+    opts = {"transport": "sharded-ternary", "owner_error_feedback": True}
+    res = run_ranks("tests.test_horovod:body_train", np=2, timeout=120, args=(front, opts, 3))
+    assert all(torch.equal(r["params"], res[0]["params"]) for r in res) and res[0]["step"] == 3
