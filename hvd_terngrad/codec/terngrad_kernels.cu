@@ -117,6 +117,20 @@ __device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m1
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The value of code q (0..3) of a byte: 0b01 -> +1, 0b10 -> -1, 0b00 and the invalid 0b11 -> 0.
+__device__ __forceinline__ int tg_code_value(unsigned char byte, int q) {
+  const unsigned int c = (byte >> (2 * q)) & 3u;
+  return c == 1u ? 1 : (c == 2u ? -1 : 0);
+}
+
+// Byte k of rank r's codes, its invalid codes (0b11) or'ed into bad.
+__device__ __forceinline__ unsigned char tg_code_byte(const unsigned long long* codes, int r, long long k,
+                                                      unsigned int& bad) {
+  const unsigned char byte = ((const unsigned char*)codes[r])[k];
+  bad |= byte & (byte >> 1) & 0x55u;
+  return byte;
+}
+
 // Decode: one thread per code byte (4 elements); codes[r] points at rank r's codes.
 extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nranks, const float* weights,
                                          int shared, float post, long long n, float* out, int* bad) {
@@ -126,14 +140,12 @@ extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nr
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   unsigned int badbits = 0;
   for (int r = 0; r < nranks; ++r) {
-    const unsigned char byte = ((const unsigned char*)codes[r])[k];
-    badbits |= byte & (byte >> 1) & 0x55u;
+    const unsigned char byte = tg_code_byte(codes, r, k, badbits);
     if (k == nbytes - 1 && (n % 4)) badbits |= byte >> (2 * (n % 4));
     const float w = shared ? 1.0f : weights[r];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const unsigned int c = (byte >> (2 * q)) & 3u;
-      const float v = c == 1u ? 1.0f : (c == 2u ? -1.0f : 0.0f);
+      const float v = (float)tg_code_value(byte, q);
       acc[q] = r == 0 ? __fmul_rn(v, w) : __fadd_rn(acc[q], __fmul_rn(v, w));
     }
   }
@@ -155,13 +167,9 @@ extern "C" __global__ void tg_sum_shards(const unsigned long long* shards, int n
   int acc[4] = {0, 0, 0, 0};
   unsigned int badbits = 0;
   for (int r = 0; r < nranks; ++r) {
-    const unsigned char byte = ((const unsigned char*)shards[r])[k];
-    badbits |= byte & (byte >> 1) & 0x55u;
+    const unsigned char byte = tg_code_byte(shards, r, k, badbits);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const unsigned int c = (byte >> (2 * q)) & 3u;
-      acc[q] += c == 1u ? 1 : (c == 2u ? -1 : 0);
-    }
+    for (int q = 0; q < 4; ++q) acc[q] += tg_code_value(byte, q);
   }
   if (badbits) atomicOr(bad, 1);
   if (bits == 4) {
