@@ -140,14 +140,23 @@ class HorovodCollectives:
             return hvd.synchronize(handle)
 
     def _timeout_message(self, what: str) -> str:
-        ps = self.process_set
-        where = ("the global process set" if ps is hvd.global_process_set
-                 else f"process set {ps.process_set_id} (ranks {ps.ranks})")
+        where = describe_process_set(self.process_set)
         return (f"hvd_terngrad: rank {hvd.rank()} waited {self.timeout_s:g} s for {what} over {where}, and some "
                 f"rank of it never joined. Do all ranks and the optimizer use the same process set and the same "
                 f"TernGrad options? (hvd.DistributedOptimizer(process_set=ps) needs TernGrad(process_set=ps) too.) "
                 f"A rank that stopped calling collectives mid-step does this as well. The bound is "
                 f"TernGrad(timeout_s=...).")
+
+
+def process_set_id(process_set) -> int:
+    """A process set's id; 0 is Horovod's global set (also when given as None)."""
+    return 0 if process_set is None else process_set.process_set_id
+
+
+def describe_process_set(process_set) -> str:
+    if process_set_id(process_set) == 0:
+        return "the global process set"
+    return f"process set {process_set.process_set_id} (ranks {process_set.ranks})"
 
 
 class _Alltoall:

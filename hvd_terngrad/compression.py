@@ -24,7 +24,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from hvd_terngrad.collectives import HorovodCollectives
+from hvd_terngrad.collectives import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.engine import Item, TernGradEngine
 from hvd_terngrad.transports import TRANSPORTS, resolve_transport
@@ -76,17 +76,17 @@ class TernGrad(Compressor):
         mine = self._comm.process_set if self._comm is not None else self._process_set
         if mine is None:
             self._process_set = process_set
-        elif _ps_id(mine) != _ps_id(process_set):
-            raise ValueError(f"the TernGrad compressor works on {_ps_str(mine)} but the optimizer on "
-                             f"{_ps_str(process_set)}: pass the same process_set= to both")
+        elif process_set_id(mine) != process_set_id(process_set):
+            raise ValueError(f"the TernGrad compressor works on {describe_process_set(mine)} but the optimizer on "
+                             f"{describe_process_set(process_set)}: pass the same process_set= to both")
 
     @property
     def engine(self) -> TernGradEngine:
         if self._engine is None:
             t = HorovodCollectives(self._process_set, timeout_s=self.config.timeout_s)
-            if _ps_id(t.process_set) != 0 and not t.process_set.included():
-                raise ValueError(f"rank {hvd.rank()} is not in {_ps_str(t.process_set)}, the TernGrad compressor's: "
-                                 f"pass the optimizer's process_set= to TernGrad")
+            if process_set_id(t.process_set) != 0 and not t.process_set.included():
+                raise ValueError(f"rank {hvd.rank()} is not in {describe_process_set(t.process_set)}, the TernGrad "
+                                 f"compressor's: pass the optimizer's process_set= to TernGrad")
             self._engine = TernGradEngine(self.config, t.rank, t.size)
             t.stats = self._engine.stats
             self._comm = t
@@ -165,14 +165,3 @@ class TernGrad(Compressor):
             if self._done == self._calls:  # the stock synchronize() compresses everything before decoding
                 self._calls = self._done = 0
                 self.engine.next_step()
-
-
-def _ps_id(process_set) -> int:
-    """A process set's id; 0 is Horovod's global set (also when given as None)."""
-    return 0 if process_set is None else process_set.process_set_id
-
-
-def _ps_str(process_set) -> str:
-    if _ps_id(process_set) == 0:
-        return "the global process set"
-    return f"process set {process_set.process_set_id} (ranks {process_set.ranks})"

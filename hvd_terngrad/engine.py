@@ -184,10 +184,9 @@ class TernGradEngine:
         back (it.offset: its first byte), then zero bytes up to a multiple of N, one shard per rank.
         reply_bytes(shard): what each owner sends back (default: its packed sums), for the traffic count."""
         n = self.size
-        total = sum(wire.codes_size(it.numel) for it in items)
         dev = items[0].flat.device if items else torch.device("cpu")
         with self.stats.timed("encode"):
-            stream = torch.zeros((total + n - 1) // n * n, dtype=torch.uint8, device=dev)
+            stream = torch.zeros(self.shard_bytes(items) * n, dtype=torch.uint8, device=dev)
             off = 0
             for it in items:
                 it.offset = off
@@ -202,18 +201,24 @@ class TernGradEngine:
                                  received=received)
         return stream
 
+    def shard_bytes(self, items: list[Item]) -> int:
+        """Bytes of one rank's shard of the items' code stream (section 10)."""
+        return (sum(wire.codes_size(it.numel) for it in items) + self.size - 1) // self.size
+
+    def _check_replies(self, items: list[Item], got: torch.Tensor, per_owner: int, what: str) -> None:
+        """The allgathered replies of the N owners must be N x per_owner bytes."""
+        if got.numel() != self.size * per_owner:
+            raise PayloadMismatchError(
+                f"hvd_terngrad: received {got.numel()} bytes of {what} for tensors starting with {items[0].name!r}, "
+                f"expected {self.size * per_owner} (rank {self.rank}): the ranks disagree on which tensors travel "
+                f"together")
+
     def decode_packed_sums(self, items: list[Item], packed: torch.Tensor,
                            outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """The averages from every owner's packed sums, allgathered in rank order (section 10)."""
         n = self.size
         with self.stats.timed("decode"):
-            total = sum(wire.codes_size(it.numel) for it in items)
-            shard = (total + n - 1) // n
-            if packed.numel() != n * wire.sums_size(shard, n):
-                raise PayloadMismatchError(
-                    f"hvd_terngrad: received {packed.numel()} bytes of code sums for tensors starting with "
-                    f"{items[0].name!r}, expected {n * wire.sums_size(shard, n)} (rank {self.rank}): the ranks "
-                    f"disagree on which tensors travel together")
+            self._check_replies(items, packed, wire.sums_size(self.shard_bytes(items), n), "code sums")
             return [codec.decode_packed_sums(packed, n, 4 * it.offset, it.numel, it.scaler,
                                              out=outs[i] if outs else None) for i, it in enumerate(items)]
 
@@ -223,12 +228,8 @@ class TernGradEngine:
         shard] in rank order; each element is its owner's code times its owner's scaler."""
         n = self.size
         with self.stats.timed("decode"):
-            shard = (sum(wire.codes_size(it.numel) for it in items) + n - 1) // n
-            if gathered.numel() != n * (wire.OWNER_SCALER_BYTES + shard):
-                raise PayloadMismatchError(
-                    f"hvd_terngrad: received {gathered.numel()} bytes of owner codes for tensors starting with "
-                    f"{items[0].name!r}, expected {n * (wire.OWNER_SCALER_BYTES + shard)} (rank {self.rank}): the "
-                    f"ranks disagree on which tensors travel together")
+            shard = self.shard_bytes(items)
+            self._check_replies(items, gathered, wire.OWNER_SCALER_BYTES + shard, "owner codes")
             rows = gathered.view(n, wire.OWNER_SCALER_BYTES + shard)
             scalers = rows[:, :wire.OWNER_SCALER_BYTES].contiguous().view(torch.float32).reshape(-1).tolist()
             codes = rows[:, wire.OWNER_SCALER_BYTES:].reshape(-1)
