@@ -8,9 +8,10 @@ Profiles: ethernet-1g (1 Gbit/s, tbf, on both directions of every node's link, p
 the kernel has sch_netem), fast (unshaped veth; labeled with its measured bandwidth, and no InfiniBand),
 or custom: --rate 500mbit --delay-us 200.
 
-mpirun runs in the root namespace and starts one rank per node through an rsh agent that enters the
-node's namespace, with MPI's TCP traffic pinned to the cluster subnet and shared memory off (--mca btl
-tcp,self), so every byte between ranks crosses the shaped links. Node i runs on core i mod (cores), so
+mpirun runs in the root namespace and starts one rank per node (--ranks-per-node: several) through an rsh
+agent that enters the node's namespace, with MPI's TCP traffic pinned to the cluster subnet, so every byte
+between nodes crosses the shaped links; ranks of one node talk through shared memory (--mca btl
+tcp,self,vader), as GPUs of one machine would over its fast links. Node i runs on core i mod (cores), so
 the nodes share this machine's cores evenly (--no-pin lets them float). The emulator only creates and deletes
 its own namespaces, veths and bridge (named with a per-run tag), and it always cleans up: on exit, on
 error and on Ctrl-C/SIGTERM. It needs root and network-namespace support, and says so when they are missing.
@@ -84,10 +85,13 @@ def netem_available() -> bool:
 class EmulatedCluster:
     """Context manager: `with EmulatedCluster(4, PROFILES["ethernet-1g"]) as c: c.run([...])`."""
 
-    def __init__(self, nodes: int, profile: Profile, pin: bool = True):
+    def __init__(self, nodes: int, profile: Profile, pin: bool = True, ranks_per_node: int = 1):
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes must be in [1, 200], got {nodes}")
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
         self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
         self.profile = profile
         # Node i runs on core cpus[i % len(cpus)]. Unpinned, the scheduler moves N ranks and their Horovod
         # threads across the shared cores unevenly, and compute time varies twofold from run to run; pinned,
@@ -217,21 +221,28 @@ class EmulatedCluster:
         delay = f", +{self.profile.delay_us} us RTT (netem)" if self.netem else (
             ", no added delay (sch_netem missing in this kernel)" if self.profile.delay_us else "")
         cores = (f", node i on core {self.cpus}[i % {len(self.cpus)}]" if self.cpus else ", unpinned")
-        return f"{self.nodes} nodes, {self.profile.name}: {shaping}{delay}, subnet {self.subnet}.0/24{cores}"
+        ranks = f" x {self.ranks_per_node} ranks" if self.ranks_per_node > 1 else ""
+        return f"{self.nodes} nodes{ranks}, {self.profile.name}: {shaping}{delay}, subnet {self.subnet}.0/24{cores}"
 
     def mpirun(self, argv: list[str], env: dict | None = None, np: int | None = None) -> list[str]:
+        """np: the number of nodes to use (default all), each with ranks_per_node ranks."""
         n = np or self.nodes
-        hosts = ",".join(f"{self.ip(i)}:1" for i in range(n))
-        cmd = ["mpirun", "--allow-run-as-root", "-np", str(n), "-H", hosts, "--bind-to", "none",
+        k = self.ranks_per_node
+        hosts = ",".join(f"{self.ip(i)}:{k}" for i in range(n))
+        cmd = ["mpirun", "--allow-run-as-root", "-np", str(n * k), "-H", hosts, "--bind-to", "none",
                "--mca", "plm_rsh_agent", str(self.agent), "--mca", "plm_rsh_no_tree_spawn", "1",
                "--mca", "routed", "direct",
                # Each namespace looks like a 1-slot node, so Open MPI would busy-poll while waiting and
                # steal the shared cores from ranks that compute; yield instead, as on an oversubscribed node.
                "--mca", "mpi_yield_when_idle", "1",
                "--mca", "oob_tcp_if_include", f"{self.subnet}.0/24",
-               "--mca", "btl_tcp_if_include", f"{self.subnet}.0/24", "--mca", "btl", "tcp,self"]
-        for k in sorted((env or {}).keys() | {"PATH", "PYTHONPATH", "OMP_NUM_THREADS"}):
-            cmd += ["-x", k]
+               "--mca", "btl_tcp_if_include", f"{self.subnet}.0/24"]
+        if k > 1:  # shared memory inside a node (copying without ptrace, which containers often forbid)
+            cmd += ["--mca", "btl", "tcp,self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"]
+        else:
+            cmd += ["--mca", "btl", "tcp,self"]
+        for var in sorted((env or {}).keys() | {"PATH", "PYTHONPATH", "OMP_NUM_THREADS"}):
+            cmd += ["-x", var]
         return cmd + argv
 
     def run(self, argv: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -346,12 +357,13 @@ def main(argv=None):
         p.add_argument("--delay-us", type=int, default=0, help="custom round-trip delay (needs sch_netem)")
         p.add_argument("--timeout", type=float, default=600)
         p.add_argument("--no-pin", action="store_true", help="let the ranks float over the cores")
+        p.add_argument("--ranks-per-node", type=int, default=1, help="ranks on every node, sharing its link")
         if name == "run":
             p.add_argument("argv", nargs=argparse.REMAINDER, help="-- command to run on every node")
     args = ap.parse_args(argv)
     profile = resolve_profile(args.profile, args.rate, args.delay_us)
     try:
-        with EmulatedCluster(args.nodes, profile, pin=not args.no_pin) as c:
+        with EmulatedCluster(args.nodes, profile, pin=not args.no_pin, ranks_per_node=args.ranks_per_node) as c:
             print(f"cluster: {c.describe()}", flush=True)
             if args.cmd == "probe":
                 print(json.dumps(c.probe()))

@@ -108,6 +108,10 @@ class HorovodCollectives:
     def average_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Average, process_set=self.process_set)
 
+    def broadcast_async_(self, tensor: torch.Tensor, root: int, name: str):
+        """In place, from `root` (a rank of this process set) to every rank of it."""
+        return hvd.broadcast_async_(tensor, root_rank=root, name=name, process_set=self.process_set)
+
     def sparse_average_async(self, grad: torch.Tensor, name: str):
         """The average of a sparse gradient, uncoded and exactly as Horovod's sparse_allreduce_async makes it
         (so the same bits as Compression.none): allgathers of its indices and values, as they are."""

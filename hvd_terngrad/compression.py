@@ -24,6 +24,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
+from hvd_terngrad import hierarchy
 from hvd_terngrad.collectives import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.engine import Item, TernGradEngine
@@ -62,6 +63,8 @@ class TernGrad(Compressor):
         self._process_set = process_set  # None: not chosen yet (the global set, or the optimizer's)
         self._engine: TernGradEngine | None = None
         self._comm: HorovodCollectives | None = None
+        self._world: HorovodCollectives | None = None
+        self._hierarchy: hierarchy.Hierarchy | None = None
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
         self._calls = 0
         self._done = 0
@@ -87,16 +90,41 @@ class TernGrad(Compressor):
             if process_set_id(t.process_set) != 0 and not t.process_set.included():
                 raise ValueError(f"rank {hvd.rank()} is not in {describe_process_set(t.process_set)}, the TernGrad "
                                  f"compressor's: pass the optimizer's process_set= to TernGrad")
-            self._engine = TernGradEngine(self.config, t.rank, t.size)
-            t.stats = self._engine.stats
+            self._world = t
+            if self.config.hierarchical:
+                if process_set_id(t.process_set) != 0:
+                    raise ValueError("hierarchical=True works on the global process set: its nodes are Horovod's")
+                self._hierarchy = hierarchy.discover(self.config.timeout_s)
+                topo = self._hierarchy.topology
+                self._engine = TernGradEngine(self.config, topo.node, topo.nodes)
+                t = self._hierarchy.cross or t  # one node: nothing is coded
+                for c in (self._hierarchy.local, self._hierarchy.cross):
+                    if c is not None:
+                        c.stats = self._engine.stats
+            else:
+                self._engine = TernGradEngine(self.config, t.rank, t.size)
+            self._world.stats = t.stats = self._engine.stats
             self._comm = t
         return self._engine
 
     @property
     def collectives(self) -> HorovodCollectives:
-        """The collectives this compressor's engine uses (created with the engine)."""
+        """The collectives this compressor's engine codes over (created with the engine): the optimizer's
+        process set, or with hierarchical=True the cross set of this rank's local index."""
         self.engine  # noqa: B018  (creates both)
         return self._comm
+
+    @property
+    def world(self) -> HorovodCollectives:
+        """The collectives over the whole process set, for what passes through uncoded."""
+        self.engine  # noqa: B018
+        return self._world
+
+    @property
+    def hierarchy(self) -> hierarchy.Hierarchy | None:
+        """With hierarchical=True, this rank's node and its process sets; else None."""
+        self.engine  # noqa: B018
+        return self._hierarchy
 
     @property
     def stats(self):
@@ -122,6 +150,9 @@ class TernGrad(Compressor):
 
     # ------------------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
+        if self.config.hierarchical:
+            raise ValueError("hierarchical=True needs hvd_terngrad.DistributedOptimizer, which codes whole buckets "
+                             "between nodes; the stock hvd.DistributedOptimizer hands TernGrad one tensor at a time")
         eng = self.engine
         if self.config.on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "

@@ -38,10 +38,15 @@ class TernGradConfig:
     backend: codec backend, one of "auto", "cpu", "cuda", "reference".
     transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
         an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
-        hvd_terngrad optimizer only), or "auto" (hvd_terngrad.commcost picks per bucket from N and the link).
+        hvd_terngrad optimizer only), "sharded" (code sums through shard owners: an alltoall and an allgather,
+        bit-identical to allgather), "sharded-ternary" (the owners ternarize their reply again; about 16x below
+        an FP32 ring at any N), or "auto" (the cost model's choice per bucket from N and the link).
     on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
         (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
+    hierarchical: nodes with several ranks average inside the node in float and code only between nodes,
+        one rank a node per bucket, then broadcast inside the node (hvd_terngrad.hierarchy; the
+        hvd_terngrad optimizer on the global process set; needs HOROVOD_DYNAMIC_PROCESS_SETS=1).
     link_gbps: the link between workers in Gbit/s, for transport="auto"'s choice (default: the environment
         variable HVD_TERNGRAD_LINK_GBPS, else 1 Gbit/s Ethernet).
     timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank
@@ -62,6 +67,7 @@ class TernGradConfig:
     num_threads: int | None = None
     timeout_s: float = 300.0
     link_gbps: float | None = None
+    hierarchical: bool = False
 
     def __post_init__(self):
         if isinstance(self.exclude, str):
@@ -83,6 +89,11 @@ class TernGradConfig:
         if self.owner_error_feedback and self.transport != "sharded-ternary":
             raise ValueError("owner_error_feedback keeps the shard owners' error of transport='sharded-ternary'; "
                              f"transport is {self.transport!r}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if self.hierarchical and self.transport == "summed-int8":
+            raise ValueError("hierarchical=True codes over a process set of one rank a node, and "
+                             "transport='summed-int8' works on the global process set only")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"unknown on_nonfinite {self.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

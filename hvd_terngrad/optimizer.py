@@ -31,7 +31,8 @@ from hvd_terngrad.transports import resolve_transport
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "coded", "items", "state", "scaler_handle", "handle", "transport")
+    __slots__ = ("index", "params", "ready", "coded", "items", "state", "node_handles", "scaler_handle", "handle",
+                 "transport")
 
     def __init__(self, index: int, params: list):
         self.index = index
@@ -42,7 +43,8 @@ class _Bucket:
         self.ready = set()
         self.coded = []  # the params coded this step, in bucket order: those whose gradient is not sparse
         self.items: list[Item] = []
-        self.state = "idle"  # idle -> scaler -> gather -> idle
+        self.state = "idle"  # idle -> [node ->] scaler -> gather -> idle
+        self.node_handles = []  # hierarchical: the float averages inside the node
         self.scaler_handle = None
         self.handle = None  # of the codes' collective
         self.transport = None
@@ -75,12 +77,15 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._tg = compression
         compression.bind(named, process_set)
         self._engine = compression.engine
-        self._comm = compression.collectives
+        self._comm = compression.collectives  # what codes travel over
+        self._world = compression.world  # what passes through uncoded travels over
+        self._hier = compression.hierarchy
         self._cfg = compression.config
         self._sparse_as_dense = sparse_as_dense
         in_opt = {id(p) for p in all_params}
         self._named = [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad]
         self._name_of = {p: n for n, p in self._named}
+        self._param_of = {n: p for n, p in self._named}
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for _, p in self._named}
 
@@ -101,7 +106,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._grad_accs = []
-        if self._engine.size > 1:
+        if self._world.size > 1:
             self._register_hooks()
 
     # ------------------------------------------------------------------------------------------
@@ -143,16 +148,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._engine.check_dtype(name, self._grad(p))
         if b is None:
             g = self._grad(p)
-            self._engine.stats.add_float(g.numel() * g.element_size(), self._engine.size)
-            self._float_handles[p] = self._comm.average_async_(g, name=f"terngrad.float.{name}")
+            self._engine.stats.add_float(g.numel() * g.element_size(), self._world.size)
+            self._float_handles[p] = self._world.average_async_(g, name=f"terngrad.float.{name}")
             return
         self._bucket_member_ready(b, p)
 
     def _send_sparse(self, p, name: str):
         g = p.grad
         self._engine.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
-                                     self._engine.size)
-        self._sparse_handles[p] = self._comm.sparse_average_async(g, name=f"terngrad.sparse.{name}")
+                                     self._world.size)
+        self._sparse_handles[p] = self._world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
@@ -162,6 +167,25 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         # vector's tags (or the payload headers) tell, on every rank
         b.coded = [q for q in b.params if q not in self._sparse_handles]
         if not b.coded:
+            return
+        if self._hier is not None and self._hier.local is not None:
+            b.node_handles = [self._hier.local.average_async_(self._grad(q), name=f"terngrad.node.{self._name_of[q]}")
+                              for q in b.coded]
+            b.state = "node"
+            return
+        self._code(b)
+
+    def _node_averaged(self, b: _Bucket):
+        """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
+        for q, h in zip(b.coded, b.node_handles):
+            self._hier.local.wait(h, f"the node average of {self._name_of[q]!r}")
+        b.node_handles = []
+        b.state = "idle"
+        self._code(b)
+
+    def _code(self, b: _Bucket):
+        """Share the bucket's scalers and start its transport (hierarchical: only where this rank codes it)."""
+        if self._hier is not None and not self._hier.codes(b.index):
             return
         b.items = [self._engine.prepare(self._name_of[q], self._grad(q)) for q in b.coded]
         if self._cfg.share_scaler:
@@ -181,6 +205,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     def _progress(self):
         for b in self._buckets:
+            if b.state == "node" and all(self._hier.local.poll(h) for h in b.node_handles):
+                self._node_averaged(b)
             if b.state == "scaler" and self._comm.poll(b.scaler_handle):
                 self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
             elif b.state == "gather":
@@ -197,13 +223,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------
     def synchronize(self):
-        if self._engine.size <= 1:
+        if self._world.size <= 1:
             self._synchronized = True
             return
         try:
             for _, p in self._named:
                 if p not in self._fired:
                     self._ready(p)
+            for b in self._buckets:
+                if b.state == "node":
+                    self._node_averaged(b)
             for b in self._buckets:
                 if b.state == "scaler":
                     self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
@@ -215,13 +244,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 if b.items:
                     bad += self._finish_bucket(b)
             float_bad = []
+            if self._hier is not None and self._hier.local is not None:
+                float_bad += self._node_broadcast(bad)
+                bad = []
             for p, h in self._sparse_handles.items():
-                avg = self._comm.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
+                avg = self._world.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
                 p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
                 if not bool(torch.isfinite(avg._values()).all()):
                     float_bad.append(self._name_of[p])
             for p, h in self._float_handles.items():
-                self._comm.wait(h, f"the float average of {self._name_of[p]!r}")
+                self._world.wait(h, f"the float average of {self._name_of[p]!r}")
                 if not bool(torch.isfinite(self._grad(p)).all()):
                     float_bad.append(self._name_of[p])
             for p, dense in self._densified.items():
@@ -244,11 +276,26 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     return
                 self._engine.raise_nonfinite(bad)
                 raise NonFiniteGradientError(
-                    f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} (a float pass-through "
-                    f"tensor) at step {self._engine.step} on rank {self._engine.rank}; every rank sees the same "
-                    f"average")
+                    f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at step "
+                    f"{self._engine.step} on rank {self._world.rank}; every rank sees the same average")
         finally:
             self._engine.next_step()
+
+    def _node_broadcast(self, bad: list[Item]) -> list[str]:
+        """Hierarchical: each bucket's decoded average from the rank that coded it to the rest of its node;
+        the names of the coded tensors whose average is non-finite, the same on every rank."""
+        for it in bad:  # the coder knows from the scalers; its node learns it from the NaN
+            self._grad(self._param_of[it.name]).fill_(float("nan"))
+        local = self._hier.local
+        handles = [(q, local.broadcast_async_(self._grad(q), self._hier.root(b.index),
+                                              name=f"terngrad.node.bcast.{self._name_of[q]}"))
+                   for b in self._buckets for q in b.coded]
+        names = []
+        for q, h in handles:
+            local.wait(h, f"the node broadcast of {self._name_of[q]!r}")
+            if not bool(torch.isfinite(self._grad(q)).all()):
+                names.append(self._name_of[q])
+        return names
 
     def _finish_bucket(self, b: _Bucket) -> list[Item]:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""

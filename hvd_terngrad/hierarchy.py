@@ -1,0 +1,117 @@
+"""hierarchical=True: average inside each node in float, code only between nodes.
+
+The paper's clusters had 4 GPUs a node. Inside a node the links (NVLink, PCIe, shared memory) are one or two
+orders of magnitude faster than the network, so ternary codes buy nothing there and cost a draw's variance.
+For each bucket k of coded tensors, on nodes of L ranks each:
+
+    1. a float Average allreduce of the bucket's gradients over the node's ranks (its local process set);
+    2. the node's rank with local index k mod L codes that node average with the configured transport, over
+       the cross process set of the ranks with that local index (one per node);
+    3. it broadcasts the decoded average to its node.
+
+Buckets take turns over the local ranks, so each rank codes about 1/L of the model and every cross set
+carries its part. A node's link still carries one transport's bytes for N = nodes, whichever rank sends
+them. It stays unbiased: with equal nodes the mean of the node means is the global mean, and TernGrad's
+codes are unbiased for each node mean. One node: step 1 is the whole exchange. One rank a node: the flat
+path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+import torch
+from horovod.common import process_sets as _process_sets
+
+from hvd_terngrad.collectives import HorovodCollectives
+
+
+@dataclass(frozen=True)
+class Topology:
+    node: int  # this rank's node, 0..nodes-1
+    nodes: int
+    local_index: int  # this rank's place in its node, 0..local_size-1
+    local_size: int
+    grid: tuple[tuple[int, ...], ...]  # the global ranks of every node, by node and local index
+
+    @property
+    def node_ranks(self) -> tuple[int, ...]:
+        return self.grid[self.node]
+
+    def coder(self, bucket: int) -> int:
+        """The local index of the rank that codes bucket `bucket` for its node."""
+        return bucket % self.local_size
+
+
+def topology(table: list[tuple[int, int]], rank: int) -> Topology:
+    """This rank's Topology from every rank's (node, local index), in global rank order (Horovod's cross_rank
+    and local_rank). ValueError when the nodes differ in size: the mean of node means would then weigh the
+    ranks of small nodes more."""
+    nodes = sorted({node for node, _ in table})
+    members = {n: sorted(((i, r) for r, (node, i) in enumerate(table) if node == n)) for n in nodes}
+    sizes = {n: len(m) for n, m in members.items()}
+    if len(set(sizes.values())) != 1 or any([i for i, _ in m] != list(range(len(m))) for m in members.values()):
+        raise ValueError(f"hierarchical=True needs the same number of ranks on every node, with local ranks "
+                         f"0..L-1; Horovod reports ranks per node {dict(sorted(sizes.items()))}")
+    node, local_index = table[rank]
+    return Topology(node=nodes.index(node), nodes=len(nodes), local_index=local_index, local_size=sizes[node],
+                    grid=tuple(tuple(r for _, r in members[n]) for n in nodes))
+
+
+class Hierarchy:
+    """This rank's two process sets as TernGrad collectives: `local` (its node; None with one rank a node) and
+    `cross` (its local index on every node; None with one node)."""
+
+    __slots__ = ("topology", "local", "cross")
+
+    def __init__(self, topo: Topology, timeout_s: float, stats=None):
+        self.topology = topo
+        node_sets, cross_sets = _register(topo)
+        self.local = None if topo.local_size == 1 else HorovodCollectives(node_sets[topo.node], stats, timeout_s)
+        self.cross = None if topo.nodes == 1 else HorovodCollectives(cross_sets[topo.local_index], stats, timeout_s)
+
+    def codes(self, bucket: int) -> bool:
+        """Whether this rank codes bucket `bucket` between the nodes."""
+        return self.cross is not None and self.topology.coder(bucket) == self.topology.local_index
+
+    def root(self, bucket: int) -> int:
+        """The coder of `bucket` as Horovod's broadcast names a root within a process set: its global rank."""
+        return self.topology.node_ranks[self.topology.coder(bucket)]
+
+
+def discover(timeout_s: float, stats=None) -> Hierarchy:
+    """Every rank's node from Horovod (one allgather over all ranks, at most timeout_s) and the process sets
+    of the hierarchy, registered with Horovod where they are new. Every rank must call this, in the same
+    order as any other process-set registration."""
+    world = HorovodCollectives(hvd.global_process_set, stats, timeout_s)
+    mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int32)
+    table = world.wait(hvd.allgather_async(mine, name="terngrad.topology"), "the node-topology allgather")
+    return Hierarchy(topology([tuple(row) for row in table.tolist()], hvd.rank()), timeout_s, stats)
+
+
+def _register(topo: Topology) -> tuple[list, list]:
+    """The process sets of every node and of every local index, in that order, each the one Horovod has or a
+    new one. Every rank registers every set, also those it is not in: Horovod requires it."""
+    grid = topo.grid
+    node_sets = [_process_set(row) if topo.local_size > 1 else None for row in grid]
+    cross_sets = [_process_set([row[i] for row in grid]) if topo.nodes > 1 else None for i in range(topo.local_size)]
+    return node_sets, cross_sets
+
+
+def _process_set(ranks: list[int]):
+    """Horovod's process set of exactly `ranks`, registered if new (that needs HOROVOD_DYNAMIC_PROCESS_SETS=1)."""
+    ranks = sorted(ranks)
+    if len(ranks) == hvd.size():
+        return hvd.global_process_set
+    # Horovod finds a set by its ranks only inside add_process_set, which refuses duplicates, so look first
+    # in its table (a private call; hvd.init(process_sets=[...]) sets are found the same way)
+    known = {tuple(r): i for i, r in _process_sets._basics._get_process_set_ids_and_ranks().items()}
+    if tuple(ranks) in known:
+        ps = hvd.ProcessSet(ranks)
+        ps.process_set_id = known[tuple(ranks)]
+        return ps
+    try:
+        return hvd.add_process_set(ranks)
+    except ValueError as exc:
+        raise ValueError(f"hvd_terngrad: hierarchical=True registers a process set per node and per local rank "
+                         f"({ranks} for one): {exc}") from None
