@@ -13,12 +13,14 @@ On every (profile, N) cluster, one job of N ranks measures:
   model uses those: this machine's speed moves between jobs. An fp16 job's probe also times
   Compression.fp16's casts of every gradient, with training's allocations.
 - codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
-  16M elements, for each transport, all ranks at once; and Horovod's fp16 compression (two casts).
+  16M elements, for each transport, all ranks at once (for the sharded transports also the owner's reply);
+  and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
-  fp16, Horovod allgather of uint8, the int8 mpi4py Sum allreduce), for five or six payload sizes, 16 calls
-  each, each a large and a small tensor fused into one call as in training, with nothing else running. Each is fitted to
-  t = a + x / B, where x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes,
-  allgather (N-1) * bytes per worker, as in hvd_terngrad/commcost.py), so a is the per-call latency and B
+  fp16, Horovod allgather and alltoall of uint8, the int8 mpi4py Sum allreduce), for five or six payload
+  sizes, 16 calls each, each a large and a small tensor fused into one call as in training (an alltoall: one
+  tensor, as Horovod does not fuse them), with nothing else running. Each is fitted to t = a + x / B, where
+  x is the collective's bandwidth term in bytes (allreduce 2 (N-1)/N * bytes, allgather (N-1) * bytes per
+  worker, alltoall (N-1)/N * bytes, as in hvd_terngrad/commcost.py), so a is the per-call latency and B
   the effective bandwidth the link, MPI and the host's TCP stack together give;
   and, at every size, how long the call takes beside compute on the worker's core and how much it slows
   that compute (the main thread's rate of matrix products, against alone).
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks.models import build, synthetic_batch
-from hvd_terngrad.commcost import allgather_bytes, allreduce_bytes
+from hvd_terngrad.commcost import allgather_bytes, allreduce_bytes, alltoall_bytes
 
 # Per-worker payload bytes of each collective: spans the sweep's range (tens of kB of scalers and pass-through
 # floats, up to the 50 MB fp32 gradient of `wide`) without copying any of its sizes. Time per byte is not
@@ -46,6 +48,7 @@ SIZES = {
     "allreduce_fp16": [2**14, 2**18, 2**21, 2**23, 2**24, 3 * 2**23],
     "allgather_u8": [2**12, 2**16, 2**19, 2**21, 3 * 2**20],
     "allreduce_int8": [2**14, 2**18, 2**21, 2**23, 3 * 2**22],
+    "alltoall_u8": [2**12, 2**16, 2**19, 2**21, 3 * 2**20],
 }
 CODEC_SIZES = [2**18, 2**20, 2**22, 2**24]  # elements per bucket
 DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
@@ -53,6 +56,8 @@ DEFAULT_WORKLOADS = "alexnet:32,vgg:32,googlenet:32,mlp:32,wide:4"
 
 def bandwidth_bytes(kind: str, nbytes: float, n: int) -> float:
     """The bytes term of hvd_terngrad/commcost.py for one call of `kind` with `nbytes` per worker."""
+    if kind.startswith("alltoall"):
+        return alltoall_bytes(nbytes, n)
     return allgather_bytes(nbytes, n) if kind.startswith("allgather") else allreduce_bytes(nbytes, n)
 
 
@@ -232,7 +237,51 @@ def measure_codec(reps: int) -> dict:
             pts.append((m, slowest(enc), slowest(dec)))
             del gathered
         out[tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
+    for tname in ("sharded", "sharded-ternary"):
+        out[tname] = _measure_sharded_codec(tname, engines, reps)
     return out
+
+
+def _measure_sharded_codec(tname: str, engines: list, reps: int) -> dict:
+    """A sharded transport's three pieces of main-thread work per bucket, as the optimizer runs them: encode
+    (codes into the alltoall stream), owner (this rank's shard of every rank's codes into its reply) and
+    decode (every owner's reply into the gradient). The shards and replies it receives are made in-process
+    from every rank's engine. Collective."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_terngrad.transports import TRANSPORTS
+
+    t, rank, n = TRANSPORTS[tname], hvd.rank(), len(engines)
+    eng = engines[rank]
+    pts = []
+    for m in CODEC_SIZES:
+        grad, out_grad = torch.randn(m), torch.empty(m)
+        plans = []
+        for e in engines:  # every rank's stream, with the shared scaler of the same gradient
+            items = [e.prepare("cal", grad)]
+            plans.append((items, t.encode(e, items)))
+        shards = torch.stack([p.stream.view(n, -1)[rank] for _, p in plans])
+        replies = torch.cat([t._owner_reply(torch.stack([p.stream.view(n, -1)[o] for _, p in plans]), plans[o][1], o,
+                                            n, "cal") for o in range(n)])
+        enc, own, dec = [], [], []
+        for i in range(reps + 1):
+            hvd.barrier()
+            t0 = time.perf_counter()
+            items = [eng.prepare("cal", grad)]
+            plan = t.encode(eng, items)
+            t1 = time.perf_counter()
+            t._owner_reply(shards, plan, rank, n, "cal")
+            t2 = time.perf_counter()
+            t.decode(eng, items, replies, outs=[out_grad])
+            t3 = time.perf_counter()
+            if i:
+                enc.append(t1 - t0)
+                own.append(t2 - t1)
+                dec.append(t3 - t2)
+        pts.append((m, slowest(enc), slowest(own), slowest(dec)))
+    return {"encode": [(m, e) for m, e, _, _ in pts], "owner": [(m, o) for m, _, o, _ in pts],
+            "decode": [(m, d) for m, _, _, d in pts]}
 
 
 def _starter(kind: str, nbytes: int, transport):
@@ -252,6 +301,10 @@ def _starter(kind: str, nbytes: int, transport):
     if kind == "allgather_u8":
         bufs = [torch.zeros(nbytes - 64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
         return lambda i: [hvd.allgather_async(b, name=f"cal.ag.{i}.{j}") for j, b in enumerate(bufs)]
+    if kind == "alltoall_u8":  # a sharded bucket's codes: one call, never fused
+        n = hvd.size()
+        buf = torch.zeros(nbytes // n * n, dtype=torch.uint8)
+        return lambda i: [hvd.alltoall_async(buf, name=f"cal.a2a.{i}")]
     dt = torch.float32 if kind == "allreduce_fp32" else torch.float16
     width = 4 if dt == torch.float32 else 2
     bufs = [torch.zeros(nbytes // width - 16, dtype=dt), torch.zeros(16, dtype=dt)]

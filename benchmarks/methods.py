@@ -7,6 +7,7 @@
         allgather, summed, summed-int8, auto    the transport (hvd_terngrad.transports)
         stock                                   hvd.DistributedOptimizer(compression=TernGrad(...)) instead
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
+        hier                                    hierarchical=True (float inside nodes, codes between them)
 
 `parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
 default transport left out. No Horovod is imported until an optimizer is built.
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from hvd_terngrad.config import TRANSPORTS
 
 COMPRESSIONS = ("fp32", "fp16", "terngrad")
-OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True)}
+OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True),
+           "hier": ("hierarchical", True)}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
             "--num-batches-per-iter", str(args.per_iter), "--num-iters", str(args.iters), "--iface", "eth0",
             "--json", str(out)] + (["--compute-probe", "1"] if args.calibrate else [])
     t0 = time.perf_counter()
-    res = cluster.run(argv, timeout=args.timeout)
+    hier = "hier" in parse_method(method).options  # registers process sets after hvd.init()
+    res = cluster.run(argv, timeout=args.timeout, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if hier else None)
     try:
         if res.returncode != 0 or not out.read_text().strip():
             raise RuntimeError(f"{model}/{method} on {cluster.describe()} failed (exit {res.returncode}):\n"
@@ -42,7 +43,8 @@ def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
         row = json.loads(out.read_text().strip().splitlines()[-1])
     finally:
         out.unlink(missing_ok=True)
-    row.update({"profile": cluster.profile.name, "nodes": cluster.nodes, "method": method,
+    row.update({"profile": cluster.profile.name, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
+                "method": method,
                 "wall_seconds": time.perf_counter() - t0})
     return row
 
@@ -131,6 +133,8 @@ def main(argv=None):
                     help="fp32, fp16, terngrad, or terngrad:<modifiers> (benchmarks/methods.py)")
     ap.add_argument("--profiles", default="ethernet-1g,fast")
     ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--ranks-per-node", type=int, default=1,
+                    help="ranks on every emulated node, sharing its link (as GPUs of one machine)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--per-iter", type=int, default=2)
@@ -158,7 +162,7 @@ def main(argv=None):
     try:
         for prof in profiles:
             for n in nodes:
-                with EmulatedCluster(n, PROFILES[prof]) as c:
+                with EmulatedCluster(n, PROFILES[prof], ranks_per_node=args.ranks_per_node) as c:
                     if prof not in probes:
                         probes[prof] = c.probe() if n >= 2 else {}
                         bar.write(f"{prof}: {json.dumps(probes[prof])}")

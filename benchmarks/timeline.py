@@ -201,14 +201,17 @@ class TernGradStep:
     """hvd_terngrad.DistributedOptimizer on the timeline. Pass-through floats are allreduced when ready; a
     bucket, once all its gradients are ready, sends its scalers (Max allreduce), is encoded on the main thread
     at the first backward hook after they return, or in synchronize() (delaying backward if it is still
-    running), then sends its codes (allgather or fp16 sum). synchronize() encodes what is left, then decodes
-    the buckets in order as their codes arrive; int8 sums are a blocking MPI call there (finish())."""
+    running), then sends its codes (allgather, fp16 sum, or for the sharded transports an alltoall to the
+    shard owners, whose replies, made at the next hook, travel in an allgather). synchronize() encodes what
+    is left, then decodes the buckets in order as their codes arrive; int8 sums are a blocking MPI call there
+    (finish())."""
 
     def __init__(self, tl: Timeline, transport: str, params: list[tuple[str, int]], t_ready: dict,
                  bucket_bytes: int):
         self.tl, self.transport = tl, TRANSPORTS[transport]
         self.codec = tl.host.codec.get(transport)
-        if self.codec is None or self.transport.collective not in tl.host.curves:
+        needs = [self.transport.collective, self.transport.reply_collective or self.transport.collective]
+        if self.codec is None or any(k not in tl.host.curves for k in needs):
             raise ValueError(f"the calibration has no curves for transport {transport!r} (benchmarks/calibrate.py "
                              f"measures {', '.join(tl.host.codec)}): the timeline cannot replay it")
         groups, floats = plan_buckets([(n, numel, 4) for n, numel in params], TernGradConfig(), bucket_bytes)
@@ -233,24 +236,39 @@ class TernGradStep:
         return next((h + shift for h in self.hooks if h + shift >= t and h + shift < tl.bwd_end),
                     max(t, tl.bwd_end))
 
+    def _main_work(self, t: float, cost: float) -> float:
+        """Main-thread codec work that can start at t: at the next hook, once the main thread is free. In
+        backward, backward waits for it; in synchronize(), the collectives in flight run beside it. Its end."""
+        tl = self.tl
+        t0 = max(self._next_poll(t), tl.main_free)
+        tl.codec += cost
+        if t0 < tl.bwd_end:
+            tl.bwd_end += cost
+        else:
+            tl.stalls.append((t0, t0 + cost))
+        tl.main_free = t0 + cost
+        return t0 + cost
+
     def _after_scaler(self, b: int):
         def done(t):
-            tl = self.tl
-            elems = self.elems[b]
-            t0 = max(self._next_poll(t), tl.main_free)
-            enc = self.codec["encode"](elems)
-            tl.codec += enc
-            if t0 < tl.bwd_end:  # encoded from a backward hook: backward waits for it
-                tl.bwd_end += enc
-            else:  # in synchronize(): collectives in flight meanwhile run beside compute
-                tl.stalls.append((t0, t0 + enc))
-            tl.main_free = t0 + enc
-            tl.done_at[("encoded", b)] = t0 + enc
-            t = self.transport
-            if not t.blocking:
-                tl.submit(t0 + enc, t.collective, t.submitted_bytes(elems, len(self.buckets[b])), self._sent(b),
-                          fuse=t.name)
+            tl, tr, elems = self.tl, self.transport, self.elems[b]
+            t1 = tl.done_at[("encoded", b)] = self._main_work(t, self.codec["encode"](elems))
+            nbytes = tr.submitted_bytes(elems, len(self.buckets[b]))
+            if tr.reply_collective:  # Horovod does not fuse alltoalls
+                tl.submit(t1, tr.collective, nbytes, self._owned(b))
+            elif not tr.blocking:
+                tl.submit(t1, tr.collective, nbytes, self._sent(b), fuse=tr.name)
             self._drain()
+        return done
+
+    def _owned(self, b: int):
+        """A sharded bucket's codes have reached their owners: this rank makes its shard's reply, then starts
+        the reply allgather."""
+        def done(t):
+            tl, tr, elems = self.tl, self.transport, self.elems[b]
+            t1 = self._main_work(t, self.codec["owner"](elems))
+            tl.submit(t1, tr.reply_collective, tr.reply_submitted_bytes(elems, len(self.buckets[b]), tl.host.nodes),
+                      self._sent(b), fuse="reply")
         return done
 
     def _sent(self, b: int):

@@ -44,6 +44,7 @@ class Transport:
     stock_ok = True  # its collective can start inside compress() of the stock optimizer
     blocking = False  # start() does nothing; finish() is one blocking call, made in order in synchronize()
     collective = ""  # the calibration's name of its collective (benchmarks/calibrate.py)
+    reply_collective = ""  # of its second collective, started by advance(), if it has one
     max_workers = 1 << 30  # beyond this N the sums would not be exact
     auto_ok = True  # transport="auto" may pick it (its cost is validated on the emulated clusters)
 
@@ -170,6 +171,7 @@ class Sharded(Transport):
 
     name = "sharded"
     collective = "alltoall_u8"
+    reply_collective = "allgather_u8"
     max_workers = 32767
     auto_ok = False  # not yet calibrated on the emulated clusters
 
@@ -212,8 +214,12 @@ class Sharded(Transport):
     def reply_bytes(self, shard: int, n_workers: int) -> int:
         return sums_size(shard, n_workers)
 
+    def reply_submitted_bytes(self, numel: int, tensors: int, n_workers: int) -> int:
+        """Bytes each owner hands the reply allgather for a bucket of `tensors` tensors of `numel` elements."""
+        return self.reply_bytes(-(-self.submitted_bytes(numel, tensors) // n_workers), n_workers)
+
     def wire_bytes(self, numel, tensors, n_workers):
-        shard = -(-(codes_size(numel) + tensors) // n_workers)  # each tensor's codes end on a whole byte
+        shard = -(-self.submitted_bytes(numel, tensors) // n_workers)
         return alltoall_bytes(shard * n_workers, n_workers) + allgather_bytes(self.reply_bytes(shard, n_workers),
                                                                               n_workers)
 

@@ -75,10 +75,13 @@ def test_curve_interpolates_and_extends():
 def _host(bandwidth=100e6, latency=1e-3, ready=None):
     """A host whose collectives cost latency + bytes / bandwidth and whose codec costs 1 ns per element."""
     pts = [(b, latency + b / bandwidth) for b in (1e3, 1e6, 1e8)]
-    curves = {k: Curve(pts) for k in ("allreduce_fp32", "allreduce_fp16", "allgather_u8", "allreduce_int8")}
+    curves = {k: Curve(pts) for k in ("allreduce_fp32", "allreduce_fp16", "allgather_u8", "allreduce_int8",
+                                      "alltoall_u8")}
     per = [(e, e * 1e-9) for e in (1e5, 1e7)]
     codec = {t: {"encode": Curve(per, origin=True), "decode": Curve(per, origin=True)}
-             for t in ("allgather", "summed", "summed-int8")}
+             for t in ("allgather", "summed", "summed-int8", "sharded", "sharded-ternary")}
+    for t in ("sharded", "sharded-ternary"):
+        codec[t]["owner"] = Curve(per, origin=True)
     compute = {"mlp:32": {"step": 0.10, "forward": 0.03, "backward": 0.06, "ready": ready or {}}}
     return Host(4, compute, codec, curves)
 
@@ -113,6 +116,28 @@ def test_terngrad_step_pays_codec_and_far_fewer_bytes():
     for transport in ("summed", "summed-int8"):
         st = host_step_seconds(f"terngrad:{transport}", "mlp", 32, host, overlap=False)
         assert st["comm"] > tg["comm"] and st["total"] > tg["total"]
+
+
+def test_sharded_step_is_an_alltoall_then_the_owners_work_then_a_reply_allgather():
+    from hvd_terngrad.transports import TRANSPORTS
+
+    host, coded = _host(), 10_510_336
+    trace = []
+    st = host_step_seconds("terngrad:sharded-ternary", "mlp", 32, host, overlap=False, trace=trace)
+    assert st["codec"] == pytest.approx(3 * coded * 1e-9, rel=1e-6)  # encode, owner reply, decode
+    kinds = [k for _, _, k, _, _ in trace]
+    assert kinds.count("alltoall_u8") == kinds.count("allgather_u8") >= 1
+    a2a_ends = sorted(end for _, end, k, _, _ in trace if k == "alltoall_u8")
+    reply_starts = sorted(start for start, _, k, _, _ in trace if k == "allgather_u8")
+    assert all(r >= a for a, r in zip(a2a_ends, reply_starts))  # a reply leaves after its codes reached the owner
+    tr = TRANSPORTS["sharded-ternary"]
+    a2a = sum(nb for _, _, k, nb, _ in trace if k == "alltoall_u8")
+    gather = sum(nb for _, _, k, nb, _ in trace if k == "allgather_u8")
+    assert a2a == pytest.approx(coded / 4, rel=1e-3) and gather == pytest.approx(coded / 4 / 4, rel=1e-3)
+    # a 256-byte shard and its scaler (the formula allows each tensor's codes a partial byte)
+    assert tr.reply_submitted_bytes(4096, 1, 4) - (256 + 4) in (0, 1)
+    sharded = host_step_seconds("terngrad:sharded", "mlp", 32, host, overlap=False)
+    assert sharded["comm"] > st["comm"]  # 4-bit sums come back instead of 2-bit codes
 
 
 def test_cpu_bound_communication_does_not_hide_behind_backward():
