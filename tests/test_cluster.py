@@ -116,9 +116,11 @@ def test_calibration_probe_measures_every_input_of_the_model():
             assert [b for b, _ in v["beside_compute_points"]] == SIZES[kind]
             assert all(t > 0 for _, t in v["beside_compute_points"])
             assert all(0 <= f <= 1 for _, f in v["cpu_fraction_points"])
-    assert set(cal["codec"]) == {"allgather", "summed", "summed-int8", "fp16"}
+    assert set(cal["codec"]) == {"allgather", "summed", "summed-int8", "fp16", "sharded", "sharded-ternary"}
+    assert all(t > 0 for t in ("sharded", "sharded-ternary") for _, t in cal["codec"][t]["owner"])
     host = Host.from_json(cal)
-    for method in ("fp32", "fp16", "terngrad", "terngrad:summed", "terngrad:summed-int8"):
+    for method in ("fp32", "fp16", "terngrad", "terngrad:summed", "terngrad:summed-int8", "terngrad:sharded",
+                   "terngrad:sharded-ternary"):
         st = host_step_seconds(method, "tiny", 8, host)
         assert st["total"] >= st["compute"] > 0
 
