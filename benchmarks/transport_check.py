@@ -4,7 +4,9 @@
 
 Prediction: the coded elements of the model (TernGradConfig defaults) through the run's transport, plus the
 scaler Max allreduce and the float pass-through tensors, on the probed link (bandwidth, RTT / 2 latency).
-Measured: the time TernGrad waited for communication per step (stats time_comm).
+Measured: the time TernGrad waited for communication per step (stats time_comm). With several ranks a node
+the bytes are the node's; they are predicted for hierarchical runs (the transport between nodes), and the
+flat runs' are shown measured only (what crosses a node's link then depends on MPI's algorithms).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.methods import parse_method
 from benchmarks.models import build, split_of
 from hvd_terngrad.commcost import Link, allreduce_bytes, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
@@ -24,10 +27,16 @@ def split(model: str) -> tuple[int, int, int]:
     return s.coded, s.tensors, s.floats
 
 
-def predict_bytes(row: dict) -> float:
-    """Bytes a node sends per step under ring algorithms: commcost's bandwidth terms."""
+def hierarchical(row: dict) -> bool:
+    return "hier" in parse_method(row.get("method") or row["compression"]).options
+
+
+def predict_bytes(row: dict) -> float | None:
+    """Bytes a node sends per step under ring algorithms: commcost's bandwidth terms (None: not predicted)."""
     coded, tensors, floats = split(row["model"])
     n = row["nodes"]
+    if row.get("ranks_per_node", 1) > 1 and not hierarchical(row):
+        return None
     per = TRANSPORTS[row.get("transport") or "allgather"].wire_bytes(coded, tensors, n)
     return per + allreduce_bytes(SCALER_ENTRY_BYTES * tensors + 4 * floats, n)
 
@@ -56,7 +65,13 @@ def main(argv=None):
         pred = predict(r, link) * 1e3
         meas = r["time_comm"] * 1e3
         pb, mb = predict_bytes(r), r["wire_tx_per_step"]
-        print(f"| {r['model']} | {r['profile']} | {r['nodes']} | {r.get('transport') or 'allgather'} | "
+        k = r.get("ranks_per_node", 1)
+        nodes = f"{r['nodes']} x {k}" if k > 1 else f"{r['nodes']}"
+        transport = (r.get("transport") or "allgather") + (", hierarchical" if hierarchical(r) else "")
+        if pb is None:
+            print(f"| {r['model']} | {r['profile']} | {nodes} | {transport} | | {mb:,.0f} | | | {meas:.1f} | |")
+            continue
+        print(f"| {r['model']} | {r['profile']} | {nodes} | {transport} | "
               f"{pb:,.0f} | {mb:,.0f} | {mb / pb:.3f} | {pred:.1f} | {meas:.1f} | {meas / pred:.2f} |")
 
 

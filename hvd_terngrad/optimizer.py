@@ -18,6 +18,7 @@ touch the gradients.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 
@@ -284,7 +285,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
     def _node_broadcast(self, bad: list[Item]) -> list[str]:
         """Hierarchical: each bucket's decoded average from the rank that coded it to the rest of its node;
         the names of the coded tensors whose average is non-finite, the same on every rank."""
-        for it in bad:  # the coder knows from the scalers; its node learns it from the NaN
+        # The coder knows a non-finite average from the scalers and fills it with NaN; any other decoded average
+        # is finite, so its node reads the verdict from one element (a scan of a large tensor costs as much as
+        # its broadcast).
+        for it in bad:
             self._grad(self._param_of[it.name]).fill_(float("nan"))
         local = self._hier.local
         handles = [(q, local.broadcast_async_(self._grad(q), self._hier.root(b.index),
@@ -293,7 +297,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         names = []
         for q, h in handles:
             local.wait(h, f"the node broadcast of {self._name_of[q]!r}")
-            if not bool(torch.isfinite(self._grad(q)).all()):
+            if not math.isfinite(self._grad(q).reshape(-1)[0].item()):
                 names.append(self._name_of[q])
         return names
 
