@@ -74,7 +74,8 @@ def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Lin
     transport, _, mode = method.partition(":")[2].partition(":")
     if transport in ("sharded", "sharded-ternary") and mode in ("", "hier"):
         t = TRANSPORTS[transport]
-        if mode == "hier" and g > 1:  # float reduce to one leader per node, the transport between nodes, broadcast
+        if mode == "hier" and g > 1:  # float average inside nodes, the transport between nodes, broadcast back
+            # (hvd_terngrad/hierarchy.py; which local rank codes a bucket does not change a node's bytes)
             return (2 * allreduce_time(4 * s.total, g, intra) + t.seconds(s.coded, m, link)
                     + allreduce_time(SCALER_ENTRY_BYTES * s.tensors, m, link)
                     + (allreduce_time(4 * s.floats, m, link) if s.floats else 0.0))

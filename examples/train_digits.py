@@ -15,6 +15,7 @@ build/train-logs/.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -114,7 +115,8 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
     return {"method": method, "seed": seed, "history": history, "final_acc": history[-1]["test_acc"],
             "bytes_per_step": history[-1]["bytes_per_step"], "ratio": history[-1]["ratio"],
             "seconds": time.perf_counter() - t_start, "dense_bytes": dense_bytes(model),
-            "param_checksum": float(params.double().sum())}
+            "param_checksum": float(params.double().sum()),
+            "param_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
 
 
 def table(results: list[dict]) -> str:
@@ -147,8 +149,16 @@ def main(argv=None):
         print(f"digits CNN, {hvd.size()} workers, {args.epochs} epochs, batch {args.batch_size}/worker\n", flush=True)
     results = [run(m, seed=args.seed, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, progress=True)
                for m in methods]
+    # every worker must end with the same parameters: compare their digests
+    digests = hvd.allgather_object([r["param_sha256"] for r in results], name="train_digits.params")
     if hvd.rank() == 0:
         print("\n" + table(results), flush=True)
+        for k, r in enumerate(results):
+            same = len({d[k] for d in digests}) == 1
+            print(f"{r['method']}: parameters {'agree' if same else 'DIFFER'} across {hvd.size()} workers "
+                  f"(sha256 {r['param_sha256'][:16]})", flush=True)
+        if any(len({d[k] for d in digests}) != 1 for k in range(len(results))):
+            raise SystemExit("train_digits: the workers' parameters differ")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -14,6 +14,8 @@
 #   HVD_TERNGRAD_CACHE   wheel cache shared between clones (default: ~/.cache/hvd_terngrad)
 #   HVD_TERNGRAD_PYTHON  interpreter that creates the venv (default: python3)
 #   HVD_TERNGRAD_TORCH_INDEX  a pip index for torch (e.g. the CPU wheel index in docker/Dockerfile.cpu)
+#   HVD_TERNGRAD_WHEELS  a folder with the torch wheel and a Horovod wheel to install instead of the index's
+#                        and the sdist build (docker/build.sh stages them for image builds)
 #   HOROVOD_GPU_OPERATIONS=NCCL  build Horovod with NCCL (docker/Dockerfile.gpu); checked after install
 set -euo pipefail
 
@@ -84,7 +86,9 @@ do_venv() {
 # --- 3. torch, the CPU wheel on local disk --------------------------------------------------
 check_torch() { "$PY" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__"; }
 do_torch() {
-  if [ -n "${HVD_TERNGRAD_TORCH_INDEX:-}" ]; then
+  if [ -n "${HVD_TERNGRAD_WHEELS:-}" ]; then
+    "$PY" -m pip install --no-index --find-links "$HVD_TERNGRAD_WHEELS" "torch==$TORCH_VERSION"
+  elif [ -n "${HVD_TERNGRAD_TORCH_INDEX:-}" ]; then
     "$PY" -m pip install --index-url "$HVD_TERNGRAD_TORCH_INDEX" "torch==$TORCH_VERSION"
   else
     "$PY" -m pip install "torch==$TORCH_VERSION"
@@ -105,6 +109,9 @@ assert "$GPU_OPS" != "NCCL" or hvd.nccl_built(), "horovod.torch lacks NCCL"
 EOF
 }
 do_horovod() {
+  if [ -n "${HVD_TERNGRAD_WHEELS:-}" ] && ls "$HVD_TERNGRAD_WHEELS"/horovod-$HOROVOD_VERSION-*.whl >/dev/null 2>&1; then
+    mkdir -p "$WHEEL_DIR" && cp "$HVD_TERNGRAD_WHEELS"/horovod-$HOROVOD_VERSION-*.whl "$WHEEL_DIR"/
+  fi
   if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     command -v cmake >/dev/null || { echo "error: cmake not found (apt-get install cmake)"; return 1; }
     local work; work=$(mktemp -d)
