@@ -4,7 +4,8 @@
     fp16                     Horovod's Compression.fp16
     terngrad                 hvd_terngrad.DistributedOptimizer, paper defaults, allgather transport
     terngrad:<modifier>...   with modifiers, in any order:
-        allgather, summed, summed-int8, auto    the transport (hvd_terngrad.transports)
+        allgather, summed, summed-int8,         the transport (hvd_terngrad.transports)
+        sharded, sharded-ternary, auto
         stock                                   hvd.DistributedOptimizer(compression=TernGrad(...)) instead
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
         hier                                    hierarchical=True (float inside nodes, codes between them)

@@ -46,7 +46,9 @@ class Transport:
     collective = ""  # the calibration's name of its collective (benchmarks/calibrate.py)
     reply_collective = ""  # of its second collective, started by advance(), if it has one
     max_workers = 1 << 30  # beyond this N the sums would not be exact
-    auto_ok = True  # transport="auto" may pick it (its cost is validated on the emulated clusters)
+    # transport="auto" may pick it: its average is the allgather's bit for bit, and its cost model is validated
+    # on the emulated clusters (README)
+    auto_ok = True
 
     def encode(self, engine, items) -> torch.Tensor:
         raise NotImplementedError
@@ -173,7 +175,6 @@ class Sharded(Transport):
     collective = "alltoall_u8"
     reply_collective = "allgather_u8"
     max_workers = 32767
-    auto_ok = False  # not yet calibrated on the emulated clusters
 
     def encode(self, engine, items):
         return _Plan(engine.encode_stream(items), [], engine.config, engine.step, None)
@@ -246,6 +247,7 @@ class ShardedTernary(Sharded):
 
     name = "sharded-ternary"
     collective = "alltoall_u8"
+    auto_ok = False  # its owners draw again: another average (more variance, clipped with clip > 0), chosen by name
 
     def encode(self, engine, items):
         stream = engine.encode_stream(items, reply_bytes=lambda shard: self.reply_bytes(shard, engine.size))
@@ -315,7 +317,7 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (Allgather(), Summed(), S
 
 def choose_transport(numel: int, n_workers: int, link: Link | None = None, int8: bool = False) -> str:
     """The cheapest transport for a bucket of `numel` coded elements under commcost's model (int8: whether the
-    caller can run the blocking ones)."""
+    caller can run the blocking ones), among those whose average is the allgather's."""
     link = link or Link()
     cands = [t for t in TRANSPORTS.values()
              if t.auto_ok and n_workers <= t.max_workers and (int8 or not t.blocking)]

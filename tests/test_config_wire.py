@@ -111,9 +111,9 @@ def test_commcost_crossovers():
     from hvd_terngrad import transports
 
     big = 10_000_000
-    assert transports.choose_transport(big, 4) == "allgather"
-    assert transports.choose_transport(big, 64) == "summed"
-    assert 16 <= transports.crossover_nodes(big) <= 18  # bandwidth terms alone: N = 16
+    assert transports.choose_transport(big, 3) == "allgather"
+    assert transports.choose_transport(big, 4) == transports.choose_transport(big, 64) == "sharded"
+    assert 16 <= transports.crossover_nodes(big) <= 18  # summed against allgather, bandwidth terms alone: N = 16
     assert 8 <= transports.crossover_nodes(big, summed="summed-int8") <= 10
     assert transports.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
 

@@ -39,9 +39,11 @@ def test_every_transport_states_its_cost_and_auto_picks_the_cheapest_allowed():
     link = Link()
     for t in TRANSPORTS.values():
         assert t.seconds(1 << 20, 8, link) > 0 and t.submitted_bytes(1 << 20, 3) > 0 and t.collective
-    assert choose_transport(1 << 22, 4) == "allgather" and choose_transport(1 << 22, 64) == "summed"
-    assert choose_transport(1 << 22, 64, int8=True) == "summed-int8"  # the blocking one only where allowed
-    assert choose_transport(1 << 22, 4096) == "allgather"  # beyond every sum's exact range
+    # large buckets: the allgather up to 3 workers, then the sharded sums; sharded-ternary, whose owners draw
+    # again, only by name
+    assert [choose_transport(1 << 22, n) for n in (2, 3, 4, 64, 4096)] == ["allgather"] * 2 + ["sharded"] * 3
+    assert not TRANSPORTS["sharded-ternary"].auto_ok
+    assert choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
 
 
 def test_auto_plans_for_the_configured_link(monkeypatch):
@@ -55,6 +57,6 @@ def test_auto_plans_for_the_configured_link(monkeypatch):
         TernGradConfig().link()
     with pytest.raises(ValueError, match="link_gbps"):
         TernGradConfig(link_gbps=0)
-    # a slower link moves the allgather/summed crossover down: more bytes matter more than more latency
+    # a slower link moves the allgather/sharded crossover down: more bytes matter more than more latency
     slow, fast = Link(bandwidth=1e6, latency=50e-6), Link(bandwidth=1e10, latency=50e-6)
-    assert choose_transport(1 << 16, 32, slow) == "summed" and choose_transport(1 << 16, 32, fast) == "allgather"
+    assert choose_transport(1 << 16, 32, slow) == "sharded" and choose_transport(1 << 16, 32, fast) == "allgather"
