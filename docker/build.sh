@@ -8,7 +8,7 @@
 # Engine: podman (Debian's, installed when missing and this is root with apt), else docker. podman here runs
 # with runc, cgroupfs and the host's hard ulimits (build/docker/containers.conf; nproc at most pid_max):
 # crun and podman's default ulimits fail on hosts with hybrid cgroups and lower hard limits.
-# Base image: BASE_IMAGE if set; else the public python:3.11-slim-bookworm when a registry answers; else a
+# Base image: BASE_IMAGE if set; else the public python:3.11-slim-bookworm when its registry answers; else a
 # local Debian bookworm made once by mmdebstrap from the configured mirror (tar cached under the cache).
 # Wheels: everything scripts/install.sh installs, as this machine's pip finds it (torch: the CPU wheel), and
 # the Horovod wheel that scripts/install.sh built are staged in the build context
@@ -24,7 +24,7 @@ CACHE=${HVD_TERNGRAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_terngrad}
 WORK=$ROOT/build/docker
 CONTEXT_WHEELS=build/docker-context/wheels
 IMAGE=${IMAGE:-hvd_terngrad:cpu}
-PUBLIC_BASE=python:3.11-slim-bookworm
+PUBLIC_BASE=docker.io/library/python:3.11-slim-bookworm  # fully qualified: podman has no default registry
 LOCAL_BASE=localhost/debian-base:bookworm
 TORCH_VERSION=$(sed -n 's/^TORCH_VERSION=//p' "$ROOT/scripts/install.sh")
 HOROVOD_VERSION=$(sed -n 's/^HOROVOD_VERSION=//p' "$ROOT/scripts/install.sh")
