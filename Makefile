@@ -1,6 +1,7 @@
 # hvd_terngrad: the two commands of the README, and a few helpers.
 #   make train   install what is missing, then the 2-worker digits training (FP32, then TernGrad)
 #   make test    install what is missing, then lint and the full test suite
+#   make docker  build the CPU image and run a 2-container job in it (docker/build.sh --cluster)
 SHELL := /bin/bash
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 NP ?= 2
 
-.PHONY: install train test lint bench-codec bench-fidelity clean
+.PHONY: install train test lint docker bench-codec bench-fidelity clean
 
 install:
 	@bash scripts/install.sh
@@ -24,6 +25,9 @@ lint: install
 test: install
 	@$(VENV)/bin/ruff check .
 	@$(PY) -m pytest tests -q -ra --timeout 600
+
+docker: install
+	@bash docker/build.sh --cluster
 
 bench-codec: install
 	@$(PY) -m benchmarks.codec_bench
