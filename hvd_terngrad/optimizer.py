@@ -246,7 +246,11 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     bad += self._finish_bucket(b)
             float_bad = []
             if self._hier is not None and self._hier.local is not None:
-                float_bad += self._node_broadcast(bad)
+                if self._hier.cross is None:  # one node: its float average is the whole exchange
+                    float_bad += [self._name_of[q] for b in self._buckets for q in b.coded
+                                  if not bool(torch.isfinite(self._grad(q)).all())]
+                else:
+                    float_bad += self._node_broadcast(bad)
                 bad = []
             for p, h in self._sparse_handles.items():
                 avg = self._world.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")

@@ -178,6 +178,15 @@ def body_one_node() -> dict:
         p.grad = _grads(hvd.rank(), 0)["a." + name].clone()
     opt.synchronize()
     out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "engine_size": tg.engine.size}
+    for name, p in model.named_parameters():  # a NaN on rank 1 only: an error on both
+        p.grad = _grads(hvd.rank(), 1)["a." + name].clone()
+        if hvd.rank() == 1 and name == "weight":
+            p.grad[3, 5] = float("nan")
+    try:
+        opt.synchronize()
+        out["nan"] = "no error"
+    except hvd_terngrad.NonFiniteGradientError as exc:
+        out["nan"] = str(exc)
     stock = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                      named_parameters=model.named_parameters(),
                                      compression=hvd_terngrad.TernGrad(hierarchical=True))
@@ -200,3 +209,4 @@ def test_one_node_averages_in_float_and_the_stock_optimizer_is_refused():
         for name in ("weight", "bias"):
             assert torch.equal(r["grads"][name], (_grads(0, 0)["a." + name] + _grads(1, 0)["a." + name]) / 2)
         assert "hierarchical=True needs hvd_terngrad.DistributedOptimizer" in r["stock"]
+        assert "non-finite" in r["nan"] and "'weight'" in r["nan"], r["nan"]
