@@ -262,7 +262,7 @@ def _measure_sharded_codec(tname: str, engines: list, reps: int) -> dict:
             items = [e.prepare("cal", grad)]
             plans.append((items, t.encode(e, items)))
         shards = torch.stack([p.stream.view(n, -1)[rank] for _, p in plans])
-        replies = torch.cat([t._owner_reply(torch.stack([p.stream.view(n, -1)[o] for _, p in plans]), plans[o][1], o,
+        replies = torch.cat([t.owner_reply(torch.stack([p.stream.view(n, -1)[o] for _, p in plans]), plans[o][1], o,
                                             n, "cal") for o in range(n)])
         enc, own, dec = [], [], []
         for i in range(reps + 1):
@@ -271,7 +271,7 @@ def _measure_sharded_codec(tname: str, engines: list, reps: int) -> dict:
             items = [eng.prepare("cal", grad)]
             plan = t.encode(eng, items)
             t1 = time.perf_counter()
-            t._owner_reply(shards, plan, rank, n, "cal")
+            t.owner_reply(shards, plan, rank, n, "cal")
             t2 = time.perf_counter()
             t.decode(eng, items, replies, outs=[out_grad])
             t3 = time.perf_counter()

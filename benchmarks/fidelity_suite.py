@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.methods import parse_method
-from benchmarks.simulator import SimulatedWorkers, _horovod_average
+from benchmarks.simulator import SimulatedWorkers, horovod_average
 from examples.train_digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
 
@@ -217,7 +217,7 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
                 model.zero_grad(set_to_none=False)
                 data.loss(model, chunk[r]).backward()
                 grads.append([p.grad.clone() for p in params])
-            avg = sim.average(grads) if sim else [_horovod_average(list(gs)) for gs in zip(*grads)]
+            avg = sim.average(grads) if sim else [horovod_average(list(gs)) for gs in zip(*grads)]
             for p, a in zip(params, avg):
                 p.grad.copy_(a)
             opt.step()

@@ -64,7 +64,7 @@ class SimulatedWorkers:
                 for i, avg in zip(members, avgs):
                     out[i] = avg.view(grads[0][i].shape).to(grads[0][i].dtype)
             for i in self.floats:
-                out[i] = _horovod_average([g[i] for g in grads])
+                out[i] = horovod_average([g[i] for g in grads])
                 if not bool(torch.isfinite(out[i]).all()):
                     bad.append(self.names[i])
             if bad:
@@ -88,7 +88,7 @@ class SimulatedWorkers:
         if isinstance(t, Sharded):
             shard = payloads[0].stream.numel() // n
             received = torch.cat([
-                t._owner_reply(torch.stack([p.stream[j * shard: (j + 1) * shard] for p in payloads]), payloads[j],
+                t.owner_reply(torch.stack([p.stream[j * shard: (j + 1) * shard] for p in payloads]), payloads[j],
                                j, n, key) for j in range(n)])
         elif isinstance(t, Summed):  # integers: exact in the payload's dtype, whatever the order
             received = torch.stack(payloads).sum(dim=0, dtype=payloads[0].dtype)
@@ -100,7 +100,7 @@ class SimulatedWorkers:
         return avgs, [it.name for it in self.engines[0].nonfinite(items[0])]
 
 
-def _horovod_average(tensors: list[torch.Tensor]) -> torch.Tensor:
+def horovod_average(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Horovod's Average over MPI: a Sum allreduce, here in recursive doubling's order, then times 1/N."""
     level = list(tensors)
     while len(level) > 1:

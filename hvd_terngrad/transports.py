@@ -190,15 +190,16 @@ class Sharded(Transport):
             raise codec.CorruptPayload(f"received {received.numel()} bytes of code shards for {what}, sent "
                                        f"{handle.plan.stream.numel()}")
         with comm.stats.timed("decode") if comm.stats is not None else nullcontext():  # the owner's codec work
-            reply = self._owner_reply(received.view(comm.size, -1), handle.plan, comm.rank, comm.size, handle.key)
+            reply = self.owner_reply(received.view(comm.size, -1), handle.plan, comm.rank, comm.size, handle.key)
         handle.gather = comm.allgather_async(reply, name=f"terngrad.{self.name}.{handle.key}")
 
     def finish(self, comm, handle, what):
         self.advance(comm, handle, what, block=True)
         return comm.wait(handle.gather, f"the reply allgather of {what}")
 
-    def _owner_reply(self, shards, plan, owner, n, key):
-        """What owner `owner` sends back for its shard: the packed sums."""
+    def owner_reply(self, shards, plan, owner, n, key):
+        """What owner `owner` sends back for its shard, from every rank's piece of it (`shards`: one row a
+        rank, in rank order; `plan`: the owner's own payload): the packed sums."""
         return codec.sum_code_shards(shards, n, backend=plan.config.backend, nthreads=plan.config.num_threads)
 
     def decode(self, engine, items, received, outs=None):
@@ -255,8 +256,8 @@ class ShardedTernary(Sharded):
         averages = engine.scratch(4 * stream.numel() // engine.size, stream.device, use="owner")
         return _Plan(stream, segments, engine.config, engine.step, averages, engine.owner_residuals)
 
-    def _owner_reply(self, shards, plan, owner, n, key):
-        return _owner_reply(shards, plan, owner, n, key)
+    def owner_reply(self, shards, plan, owner, n, key):
+        return _ternary_owner_reply(shards, plan, owner, n, key)
 
     def decode(self, engine, items, received, outs=None):
         return engine.decode_owner_codes(items, received, outs=outs)
@@ -278,7 +279,7 @@ class _Flight:
         self.alltoall, self.plan, self.key, self.gather = alltoall, plan, key, None
 
 
-def _owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str) -> torch.Tensor:
+def _ternary_owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, key: str) -> torch.Tensor:
     """Owner `owner`'s reply: [fp32 scaler, 2-bit codes] of its shard's average, drawn again."""
     cfg = plan.config
     shard = shards.shape[1]

@@ -119,11 +119,12 @@ def _shared(engines, bucket_of):
 
 def _owners_reply(engines, items, plans, key="bucket.0"):
     """The alltoall by slicing, every owner's reply, the allgather by concatenation."""
-    from hvd_terngrad.transports import _owner_reply
+    from hvd_terngrad.transports import TRANSPORTS
 
     n = len(engines)
     shard = plans[0].stream.numel() // n
-    replies = [_owner_reply(torch.stack([p.stream[j * shard:(j + 1) * shard] for p in plans]), plans[j], j, n, key)
+    t = TRANSPORTS["sharded-ternary"]
+    replies = [t.owner_reply(torch.stack([p.stream[j * shard:(j + 1) * shard] for p in plans]), plans[j], j, n, key)
                for j in range(n)]
     return torch.cat(replies)
 
