@@ -187,11 +187,13 @@ def body_one_node() -> dict:
         out["nan"] = "no error"
     except hvd_terngrad.NonFiniteGradientError as exc:
         out["nan"] = str(exc)
-    stock = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                     named_parameters=model.named_parameters(),
+    # a model of its own: the first model's hooks would start collectives beside the refused one
+    other = torch.nn.Linear(64, 48)
+    stock = hvd.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.0),
+                                     named_parameters=other.named_parameters(),
                                      compression=hvd_terngrad.TernGrad(hierarchical=True))
     try:  # the first gradient reaches compress() in backward
-        model(torch.ones(1, 64)).sum().backward()
+        other(torch.ones(1, 64)).sum().backward()
         stock.synchronize()
         out["stock"] = "no error"
     except ValueError as exc:
