@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 2
+#define TG_ABI_VERSION 3
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -49,6 +49,19 @@ int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_
 // Returns TG_OK, 1 if any code is the invalid 0b11 or a padding code is not 0, or a negative error.
 int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
                   float* out, int nthreads);
+
+// Block scalers (wire format version 2): element i is coded with scalers[i / block], block a power of two
+// in [64, 2^30]. Otherwise as tg_ternarize_pack, whose codes these are when every block has the same scaler.
+int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
+                             uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads);
+
+// tg_decode_sum with one scaler per block: rank r's block k has scalers[r * nblocks + k] (shared: scalers[k]
+// for every rank), nblocks = ceil(n / block).
+int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
+                         int64_t block, float* out, int nthreads);
+
+// Per block of `block` elements, max|x| with NaN ignored, exact in double: out[ceil(n / block)].
+int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads);
 
 // Sharded transport, an owner's step (docs/wire-format.md, section 10): the per-element sums over nranks
 // shards of shard_bytes packed codes, written as sum + nranks in 4, 8 or 16 bits (nranks <= 7, 127, 32767),

@@ -311,25 +311,67 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
 }
 #endif
 
+// Elements [0, n) with scaler scalers[i / block] for element i (block: a multiple of 64, or >= n for one
+// scaler). Work items are kChunk elements; inside one, each run of elements under one scaler goes to the
+// widest SIMD path, and only the tensor's last elements (past a multiple of 64) to the scalar path.
 template <int DT>
-void ternarize_impl(const void* xv, int64_t n, float scaler, const Key& key, uint8_t* out, int nthreads) {
+void ternarize_impl(const void* xv, int64_t n, const float* scalers, int64_t block, const Key& key, uint8_t* out,
+                    int nthreads) {
   const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
   constexpr int64_t kChunk = 16384;  // elements per work item, a multiple of 64
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
-    const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
-    int64_t mid = b;
+    const int64_t e_all = std::min(n, ce * kChunk);
+    for (int64_t b = cb * kChunk; b < e_all;) {
+      const int64_t blk = b / block, e = std::min(e_all, (blk + 1) * block);
+      const float scaler = scalers[blk];
+      int64_t mid = b;
 #if TG_X86
-    if (avx512) {
-      mid = b + (e - b) / 64 * 64;
-      tg::ternarize_avx512(DT, x, b, mid, scaler, key, out);
-    } else if (avx2) {
-      mid = b + (e - b) / 64 * 64;
-      ternarize_avx2<DT>(x, b, mid, scaler, key, out);
-    }
+      if (avx512) {
+        mid = b + (e - b) / 64 * 64;
+        tg::ternarize_avx512(DT, x, b, mid, scaler, key, out);
+      } else if (avx2) {
+        mid = b + (e - b) / 64 * 64;
+        ternarize_avx2<DT>(x, b, mid, scaler, key, out);
+      }
 #endif
-    if (mid < e) ternarize_scalar<DT>(x, mid, e, scaler, key, out);
+      if (mid < e) ternarize_scalar<DT>(x, mid, e, scaler, key, out);
+      b = e;
+    }
+  });
+}
+
+// Per block of `block` elements, max|x| (NaN ignored), in double: exact for every input type.
+template <int DT>
+void block_absmax_impl(const void* xv, int64_t n, int64_t block, double* out, int nthreads) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  const int64_t nblocks = (n + block - 1) / block;
+  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
+    for (int64_t k = bb; k < be; ++k) {
+      const int64_t lo = k * block, hi = std::min(n, lo + block);
+      float m[kLanes] = {0};  // every input type widens exactly to fp32 but fp64
+      double md = 0;
+      if (DT == TG_F64) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const double a = std::fabs(Elem<DT>::d(x, i));
+          md = a > md ? a : md;
+        }
+      } else {
+        int64_t i = lo;
+        for (; i + kLanes <= hi; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) {
+            const float a = std::fabs(Elem<DT>::f(x, i + l));
+            m[l] = a > m[l] ? a : m[l];
+          }
+        for (; i < hi; ++i) {
+          const float a = std::fabs(Elem<DT>::f(x, i));
+          m[0] = a > m[0] ? a : m[0];
+        }
+        for (int l = 0; l < kLanes; ++l) md = m[l] > md ? m[l] : md;
+      }
+      out[k] = md;
+    }
   });
 }
 
@@ -370,6 +412,59 @@ void decode_block(int nranks, const uint8_t* const* codes, const float* weights,
   }
 }
 
+bool block_ok(int64_t block) { return block >= 64 && block <= (int64_t(1) << 30) && (block & (block - 1)) == 0; }
+
+int ternarize_entry(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
+                    uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
+  if (n < 0 || (n > 0 && (!x || !out)) || rank > 0xffffu || (n >> 50) != 0) return TG_EINVAL;
+  if (n == 0) return TG_OK;
+  const Key key{(uint32_t)seed, (uint32_t)(seed >> 32), rank << 16, tensor_id, step};
+  switch (dtype) {
+    case TG_F32: ternarize_impl<TG_F32>(x, n, scalers, block, key, out, nthreads); return TG_OK;
+    case TG_F64: ternarize_impl<TG_F64>(x, n, scalers, block, key, out, nthreads); return TG_OK;
+    case TG_F16: ternarize_impl<TG_F16>(x, n, scalers, block, key, out, nthreads); return TG_OK;
+    case TG_BF16: ternarize_impl<TG_BF16>(x, n, scalers, block, key, out, nthreads); return TG_OK;
+    default: return TG_EDTYPE;
+  }
+}
+
+// Decode with scalers[r * nblocks + k] for rank r's block k (block >= n: one scaler a rank). Work units are
+// kDecodeBlock elements, or one block where blocks are smaller, so each unit has one set of weights.
+int decode_impl(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n, int64_t block,
+                float* out, int nthreads) {
+  if (nranks <= 0 || n < 0 || !codes || !scalers || (n > 0 && !out)) return TG_EINVAL;
+  if (n == 0) return TG_OK;
+  for (int r = 0; r < nranks; ++r)
+    if (!codes[r]) return TG_EINVAL;
+  const int64_t nblocks = (n + block - 1) / block, unit = std::min(kDecodeBlock, block);
+  const int64_t nunits = (n + unit - 1) / unit;
+  const bool simd = has_avx512() && (!shared || nranks <= 127);  // int8 counters when shared
+  std::atomic<uint32_t> bad_all{0};
+  parallel_for(nunits, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t ub, int64_t ue) {
+    uint32_t bad = 0;
+    std::vector<float> weights(nranks);
+    int64_t have = -1;  // the block whose weights are in `weights`
+    for (int64_t u = ub; u < ue; ++u) {
+      int64_t start = u * unit, len = std::min(unit, n - start);
+      const int64_t k = start / block;
+      if (k != have) {
+        for (int r = 0; r < (shared ? 1 : nranks); ++r) weights[r] = scalers[r * nblocks + k] / (float)nranks;
+        have = k;
+      }
+      const float post = weights[0];  // shared: scalers[k] / nranks
+      if (simd) {
+        const int64_t full = len / 64 * 64;
+        tg::decode_avx512(nranks, codes, weights.data(), shared, post, start, full, out, bad);
+        start += full;
+        len -= full;
+      }
+      if (len > 0) decode_block(nranks, codes, weights.data(), shared, post, start, len, out, bad);
+    }
+    bad_all |= bad;
+  });
+  return bad_all.load() ? 1 : TG_OK;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -401,45 +496,36 @@ int tg_stats(int dtype, const void* x, int64_t n, int nthreads, double out[4]) {
 
 int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_t seed, uint32_t step,
                       uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
-  if (n < 0 || (n > 0 && (!x || !out)) || rank > 0xffffu || (n >> 50) != 0) return TG_EINVAL;
-  if (n == 0) return TG_OK;
-  const Key key{(uint32_t)seed, (uint32_t)(seed >> 32), rank << 16, tensor_id, step};
-  switch (dtype) {
-    case TG_F32: ternarize_impl<TG_F32>(x, n, scaler, key, out, nthreads); return TG_OK;
-    case TG_F64: ternarize_impl<TG_F64>(x, n, scaler, key, out, nthreads); return TG_OK;
-    case TG_F16: ternarize_impl<TG_F16>(x, n, scaler, key, out, nthreads); return TG_OK;
-    case TG_BF16: ternarize_impl<TG_BF16>(x, n, scaler, key, out, nthreads); return TG_OK;
-    default: return TG_EDTYPE;
-  }
+  return ternarize_entry(dtype, x, n, &scaler, n > 0 ? n : 1, seed, step, rank, tensor_id, out, nthreads);
+}
+
+int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
+                             uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
+  if (!block_ok(block) || (n > 0 && !scalers)) return TG_EINVAL;
+  return ternarize_entry(dtype, x, n, scalers, block, seed, step, rank, tensor_id, out, nthreads);
 }
 
 int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
                   float* out, int nthreads) {
-  if (nranks <= 0 || n < 0 || !codes || !scalers || (n > 0 && !out)) return TG_EINVAL;
+  return decode_impl(nranks, codes, scalers, shared, n, n > 0 ? n : 1, out, nthreads);
+}
+
+int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
+                         int64_t block, float* out, int nthreads) {
+  if (!block_ok(block)) return TG_EINVAL;
+  return decode_impl(nranks, codes, scalers, shared, n, block, out, nthreads);
+}
+
+int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads) {
+  if (n < 0 || (n > 0 && (!x || !out)) || !block_ok(block)) return TG_EINVAL;
   if (n == 0) return TG_OK;
-  for (int r = 0; r < nranks; ++r)
-    if (!codes[r]) return TG_EINVAL;
-  std::vector<float> weights(nranks);
-  for (int r = 0; r < nranks; ++r) weights[r] = scalers[r] / (float)nranks;
-  const float post = scalers[0] / (float)nranks;
-  const int64_t nblocks = (n + kDecodeBlock - 1) / kDecodeBlock;
-  const bool simd = has_avx512() && (!shared || nranks <= 127);  // int8 counters when shared
-  std::atomic<uint32_t> bad_all{0};
-  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
-    uint32_t bad = 0;
-    for (int64_t blk = bb; blk < be; ++blk) {
-      int64_t start = blk * kDecodeBlock, len = std::min(kDecodeBlock, n - start);
-      if (simd) {
-        const int64_t full = len / 64 * 64;
-        tg::decode_avx512(nranks, codes, weights.data(), shared, post, start, full, out, bad);
-        start += full;
-        len -= full;
-      }
-      if (len > 0) decode_block(nranks, codes, weights.data(), shared, post, start, len, out, bad);
-    }
-    bad_all |= bad;
-  });
-  return bad_all.load() ? 1 : TG_OK;
+  switch (dtype) {
+    case TG_F32: block_absmax_impl<TG_F32>(x, n, block, out, nthreads); return TG_OK;
+    case TG_F64: block_absmax_impl<TG_F64>(x, n, block, out, nthreads); return TG_OK;
+    case TG_F16: block_absmax_impl<TG_F16>(x, n, block, out, nthreads); return TG_OK;
+    case TG_BF16: block_absmax_impl<TG_BF16>(x, n, block, out, nthreads); return TG_OK;
+    default: return TG_EDTYPE;
+  }
 }
 
 }  // extern "C"

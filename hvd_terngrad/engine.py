@@ -51,6 +51,7 @@ class Item:
     scaler: float  # local scaler, then the shared one after apply_shared
     nonfinite_rank: int  # -1 if every rank's tensor is finite (as far as known)
     offset: int = 0  # of its record in this rank's payload
+    scalers: torch.Tensor | None = None  # block_size: fp32 (CPU) per block, local then shared; `scaler` is their max
 
     @property
     def numel(self) -> int:
@@ -97,27 +98,44 @@ class TernGradEngine:
             elif not flat.is_contiguous():
                 flat = flat.contiguous()
             st = codec.moments(flat, backend=cfg.backend, nthreads=cfg.num_threads)
-        bad = st.nonfinite > 0
+            bad = st.nonfinite > 0
+            scalers = None
+            if cfg.block_size:
+                k = cfg.block_size
+                scalers = (torch.zeros(codec.num_blocks(flat.numel(), k)) if bad else
+                           cfg.block_scalers(st, codec.block_absmax(flat, k, backend=cfg.backend,
+                                                                    nthreads=cfg.num_threads).cpu()))
+        scaler = 0.0 if bad else cfg.scaler(st) if scalers is None else float(scalers.max()) if len(scalers) else 0.0
         return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
-                    scaler=0.0 if bad else cfg.scaler(st), nonfinite_rank=self.rank if bad else -1)
+                    scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
 
     # ------------------------------------------------------------------------------------------
     def scaler_vector(self, items: list[Item]) -> torch.Tensor:
         """Per tensor [s, f, t, -t] for a Max allreduce: f = rank + 1 where the tensor is non-finite, t the low
-        24 bits of its tag (exact in fp32). After the Max, t != -(-t) means the ranks sent different tensors."""
+        24 bits of its tag (exact in fp32). After the Max, t != -(-t) means the ranks sent different tensors.
+        With block scalers, every tensor's block scalers follow, in item order."""
         vals = []
         for it in items:
             t = float(it.tag & 0xFFFFFF)
             vals += [it.scaler, float(it.nonfinite_rank + 1), t, -t]
-        return torch.tensor(vals, dtype=torch.float32)
+        head = torch.tensor(vals, dtype=torch.float32)
+        return torch.cat([head] + [it.scalers for it in items]) if self.config.block_size else head
 
     def apply_shared(self, items: list[Item], reduced: torch.Tensor) -> None:
-        vals = reduced.cpu().tolist()
-        if len(vals) != 4 * len(items):
+        reduced = reduced.cpu()
+        blocks = sum(it.scalers.numel() for it in items) if self.config.block_size else 0
+        if reduced.numel() != 4 * len(items) + blocks:
             raise PayloadMismatchError(
-                f"hvd_terngrad: scaler vector of {len(vals) // 4} tensors, expected {len(items)} "
-                f"(rank {self.rank}, first tensor {items[0].name!r}): ranks disagree on tensor groups")
+                f"hvd_terngrad: scaler vector of {reduced.numel()} values, expected {4 * len(items) + blocks} for "
+                f"{len(items)} tensors (rank {self.rank}, first tensor {items[0].name!r}): ranks disagree on tensor "
+                f"groups or block_size")
+        vals = reduced[: 4 * len(items)].tolist()
+        off = 4 * len(items)
+        for it in items:
+            if it.scalers is not None:
+                it.scalers = reduced[off: off + it.scalers.numel()].clone()
+                off += it.scalers.numel()
         for i, it in enumerate(items):
             if vals[4 * i + 2] != -vals[4 * i + 3]:
                 raise PayloadMismatchError(
@@ -140,32 +158,61 @@ class TernGradEngine:
                 f"same step; pass on_nonfinite='skip' to hvd_terngrad.DistributedOptimizer to skip such steps.")
 
     # ------------------------------------------------------------------------------------------
+    def record_size(self, it: Item) -> int:
+        return wire.record_size(it.numel, self.config.block_size or 0, self.config.share_scaler)
+
     def payload_size(self, items: list[Item]) -> int:
-        return sum(wire.record_size(it.numel) for it in items)
+        return sum(self.record_size(it) for it in items)
+
+    def scaler_bytes(self, it: Item) -> int:
+        """What a coded tensor adds to the scaler Max allreduce (share_scaler)."""
+        return wire.SCALER_ENTRY_BYTES + (4 * it.scalers.numel() if it.scalers is not None else 0)
 
     def encode(self, items: list[Item], device: torch.device | None = None) -> torch.Tensor:
         """This rank's payload: one record per item, codes written straight into it."""
         cfg = self.config
-        shared = cfg.share_scaler
+        shared, block = cfg.share_scaler, cfg.block_size or 0
         total = self.payload_size(items)
         dev = device or (items[0].flat.device if items else torch.device("cpu"))
         with self.stats.timed("encode"):
-            payload = torch.empty(total, dtype=torch.uint8, device=dev)
+            payload = torch.zeros(total, dtype=torch.uint8, device=dev) if block else torch.empty(
+                total, dtype=torch.uint8, device=dev)
             off = 0
             for it in items:
                 it.offset = off
                 self.scalers_used[it.name] = it.scaler
-                rec = payload[off: off + wire.record_size(it.numel)]
+                rec = payload[off: off + self.record_size(it)]
                 mine_bad = it.nonfinite_rank == self.rank or (not shared and it.nonfinite_rank >= 0)
                 flags = (wire.FLAG_SHARED if shared else 0) | (wire.FLAG_NONFINITE if mine_bad else 0)
-                wire.write_header(rec, wire.Header(flags, it.tag, it.numel, it.scaler, self.step))
-                self._code_into(it, rec[wire.HEADER_SIZE: wire.HEADER_SIZE + wire.codes_size(it.numel)])
-                wire.zero_padding(rec, it.numel)
-                off += wire.record_size(it.numel)
+                wire.write_header(rec, wire.Header(flags, it.tag, it.numel, 0.0 if block else it.scaler, self.step,
+                                                   block))
+                start = wire.HEADER_SIZE + self._scalers_bytes(it)
+                if start > wire.HEADER_SIZE:  # version 2, scalers not shared: this rank's block scalers
+                    rec[wire.HEADER_SIZE: wire.HEADER_SIZE + 4 * it.scalers.numel()].copy_(
+                        it.scalers.view(torch.uint8))
+                self._code_into(it, rec[start: start + wire.codes_size(it.numel)])
+                if not block:
+                    wire.zero_padding(rec, it.numel)
+                off += self.record_size(it)
         for it in items:
-            self.stats.add_coded(wire.record_size(it.numel), it.numel * it.flat.element_size(), self.size,
-                                 scaler_bytes=wire.SCALER_ENTRY_BYTES if shared else 0)
+            self.stats.add_coded(self.record_size(it), it.numel * it.flat.element_size(), self.size,
+                                 scaler_bytes=self.scaler_bytes(it) if shared else 0)
         return payload
+
+    def _scalers_bytes(self, it: Item) -> int:
+        """Bytes of block scalers in it's record: version 2 without a shared scaler only."""
+        if not self.config.block_size or self.config.share_scaler:
+            return 0
+        return wire.block_scalers_size(it.numel, self.config.block_size)
+
+    def codes(self, it: Item, out: torch.Tensor | None = None, scaler=None, key=None) -> torch.Tensor:
+        """it's packed codes (into out), with its scaler or block scalers."""
+        cfg = self.config
+        if it.scalers is not None:
+            return codec.ternarize_pack_blocks(it.flat, it.scalers, cfg.block_size, key or self.key(it), out=out,
+                                               backend=cfg.backend, nthreads=cfg.num_threads)
+        return codec.ternarize_pack(it.flat, it.scaler, key or self.key(it), out=out, backend=cfg.backend,
+                                    nthreads=cfg.num_threads)
 
     def _code_into(self, it: Item, codes: torch.Tensor) -> None:
         """Write it's packed codes into `codes` (all zero for a non-finite tensor); keep the residual."""
@@ -173,8 +220,7 @@ class TernGradEngine:
         if it.nonfinite_rank >= 0:
             codes.zero_()
             return
-        codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=codes, backend=cfg.backend,
-                             nthreads=cfg.num_threads)
+        self.codes(it, out=codes)
         if cfg.error_feedback:
             self._keep_residual(it, codec.decode_mean([codes], [1.0], True, it.numel, backend=cfg.backend,
                                                       nthreads=cfg.num_threads))
@@ -197,7 +243,7 @@ class TernGradEngine:
         sums = reply_bytes(shard) if reply_bytes else wire.sums_size(shard, n)
         for k, it in enumerate(items):  # the bucket's traffic, counted with its first tensor
             sent, received = ((n - 1) * shard + sums, (n - 1) * (shard + sums)) if k == 0 else (0, 0)
-            self.stats.add_coded(sent, it.numel * it.flat.element_size(), n, scaler_bytes=wire.SCALER_ENTRY_BYTES,
+            self.stats.add_coded(sent, it.numel * it.flat.element_size(), n, scaler_bytes=self.scaler_bytes(it),
                                  received=received)
         return stream
 
@@ -219,8 +265,16 @@ class TernGradEngine:
         n = self.size
         with self.stats.timed("decode"):
             self._check_replies(items, packed, wire.sums_size(self.shard_bytes(items), n), "code sums")
-            return [codec.decode_packed_sums(packed, n, 4 * it.offset, it.numel, it.scaler,
-                                             out=outs[i] if outs else None) for i, it in enumerate(items)]
+            return [self._decode_sums(packed, 4 * it.offset, it, out=outs[i] if outs else None)
+                    for i, it in enumerate(items)]
+
+    def _decode_sums(self, packed: torch.Tensor, start: int, it: Item, out: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        if it.scalers is None:
+            return codec.decode_packed_sums(packed, self.size, start, it.numel, it.scaler, out=out,
+                                            backend=cfg.backend, nthreads=cfg.num_threads)
+        return codec.decode_packed_sums_blocks(packed, self.size, start, it.numel, it.scalers, cfg.block_size,
+                                               out=out, backend=cfg.backend, nthreads=cfg.num_threads)
 
     def decode_owner_codes(self, items: list[Item], gathered: torch.Tensor,
                            outs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
@@ -254,7 +308,10 @@ class TernGradEngine:
 
     def _keep_residual(self, it: Item, b: torch.Tensor) -> None:
         """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""
-        local = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
+        if it.scalers is not None:
+            local = codec.scale_blocks_(b.clone(), it.scalers, self.config.block_size)
+        else:
+            local = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
         self.residuals[it.name] = it.flat - local.to(it.flat.dtype)
 
     def encode_values(self, items: list[Item], dtype: torch.dtype) -> torch.Tensor:
@@ -271,8 +328,7 @@ class TernGradEngine:
                 if it.nonfinite_rank >= 0:
                     values[off: off + it.numel].zero_()
                 else:
-                    codes = codec.ternarize_pack(it.flat, it.scaler, self.key(it), backend=cfg.backend,
-                                                 nthreads=cfg.num_threads)
+                    codes = self.codes(it)
                     b = codec.decode_mean([codes], [1.0], True, it.numel, out=self.scratch(it.numel, dev),
                                          backend=cfg.backend, nthreads=cfg.num_threads)
                     values[off: off + it.numel].copy_(b)
@@ -281,7 +337,7 @@ class TernGradEngine:
                 off += it.numel
         for it in items:
             self.stats.add_coded(it.numel * values.element_size(), it.numel * it.flat.element_size(), self.size,
-                                 scaler_bytes=wire.SCALER_ENTRY_BYTES)
+                                 scaler_bytes=self.scaler_bytes(it))
         return values
 
     def scratch(self, n: int, device: torch.device, use: str = "values") -> torch.Tensor:
@@ -304,11 +360,13 @@ class TernGradEngine:
                     f"expected {sum(it.numel for it in items)} (rank {self.rank})")
             out = []
             for i, it in enumerate(items):
-                post = torch.tensor(it.scaler, dtype=torch.float32, device=summed.device) / self.size
                 dst = outs[i] if outs and outs[i] is not None else torch.empty(it.numel, dtype=torch.float32,
                                                                                device=summed.device)
                 dst.copy_(summed[it.offset: it.offset + it.numel])  # exact: integers |v| <= N
-                out.append(dst.mul_(post))
+                if it.scalers is not None:
+                    out.append(codec.scale_blocks_(dst, it.scalers / self.size, self.config.block_size))
+                else:
+                    out.append(dst.mul_(torch.tensor(it.scaler, dtype=torch.float32, device=summed.device) / self.size))
         return out
 
     def decode(self, items: list[Item], gathered: torch.Tensor,
@@ -328,15 +386,33 @@ class TernGradEngine:
                 hs = [headers[r][i] for r in range(self.size)]
                 self._check_scalers(it, hs)
                 starts = [r * per_rank + it.offset + wire.HEADER_SIZE for r in range(self.size)]
-                codes = [gathered[s: s + wire.codes_size(it.numel)] for s in starts]
+                sb = self._scalers_bytes(it)
+                codes = [gathered[s + sb: s + sb + wire.codes_size(it.numel)] for s in starts]
                 try:
-                    res = codec.decode_mean(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
-                                           out=outs[i] if outs else None, backend=cfg.backend,
-                                           nthreads=cfg.num_threads)
+                    if cfg.block_size:
+                        scalers = it.scalers if cfg.share_scaler else self._record_scalers(it, gathered, starts)
+                        res = codec.decode_mean_blocks(codes, scalers, cfg.share_scaler, it.numel, cfg.block_size,
+                                                       out=outs[i] if outs else None, backend=cfg.backend,
+                                                       nthreads=cfg.num_threads)
+                    else:
+                        res = codec.decode_mean(codes, [h.scaler for h in hs], cfg.share_scaler, it.numel,
+                                               out=outs[i] if outs else None, backend=cfg.backend,
+                                               nthreads=cfg.num_threads)
                 except codec.CorruptPayload as exc:
                     raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r} on rank {self.rank}: {exc}") from None
                 out.append(res)
         return out
+
+    def _record_scalers(self, it: Item, gathered: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """Version 2 without sharing: every rank's block scalers from its record, (N, nblocks) fp32."""
+        nb = codec.num_blocks(it.numel, self.config.block_size)
+        rows = torch.stack([gathered[s: s + 4 * nb] for s in starts]).cpu().contiguous()
+        scalers = rows.view(torch.float32).reshape(self.size, nb)
+        if not bool(((scalers >= 0) & (scalers < float("inf"))).all()):
+            r = int((~((scalers >= 0) & (scalers < float("inf")))).any(dim=1).nonzero()[0])
+            raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r}: the record from rank {r} holds a block "
+                                       f"scaler that is negative, NaN or Inf (checked on rank {self.rank})")
+        return scalers
 
     # ------------------------------------------------------------------------------------------
     def _read_headers(self, items: list[Item], gathered: torch.Tensor, per_rank: int) -> list[list[wire.Header]]:
@@ -356,7 +432,7 @@ class TernGradEngine:
     def _check(self, raw: bytes, it: Item, src: int) -> wire.Header:
         try:
             h = wire.check_header(raw, name=it.name, src_rank=src, my_rank=self.rank, tag=it.tag, numel=it.numel,
-                                  step=self.step)
+                                  step=self.step, block_size=self.config.block_size or 0)
         except wire.PayloadMismatch as exc:
             raise PayloadMismatchError(f"hvd_terngrad: {exc}") from None
         if bool(h.flags & wire.FLAG_SHARED) != self.config.share_scaler:
@@ -384,10 +460,12 @@ class TernGradEngine:
                 if off + wire.HEADER_SIZE > len(raw):
                     break
                 magic, _, h = wire.parse_header(raw[off: off + wire.HEADER_SIZE])
-                if magic != wire.MAGIC or h.numel != it.numel or h.tag != it.tag:
+                if magic != wire.MAGIC or h.numel != it.numel or h.tag != it.tag or \
+                        h.block_size != (self.config.block_size or 0):
                     self._check(raw[off: off + wire.HEADER_SIZE], it, r)
-                off += wire.record_size(h.numel)
+                off += wire.record_size(h.numel, h.block_size, bool(h.flags & wire.FLAG_SHARED))
         raise PayloadMismatchError(
             f"hvd_terngrad: received {gathered.numel()} bytes for {len(items)} tensor(s) starting with "
             f"{items[0].name!r}, expected {per_rank * self.size} ({self.size} ranks x {per_rank}); checked on rank "
             f"{self.rank}: the ranks disagree on which tensors travel together")
+

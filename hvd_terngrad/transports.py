@@ -252,7 +252,7 @@ class ShardedTernary(Sharded):
 
     def encode(self, engine, items):
         stream = engine.encode_stream(items, reply_bytes=lambda shard: self.reply_bytes(shard, engine.size))
-        segments = [(4 * it.offset, it.numel, it.scaler) for it in items]
+        segments = [(4 * it.offset, it.numel, it.scaler, it.scalers) for it in items]
         averages = engine.scratch(4 * stream.numel() // engine.size, stream.device, use="owner")
         return _Plan(stream, segments, engine.config, engine.step, averages, engine.owner_residuals)
 
@@ -286,12 +286,16 @@ def _ternary_owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, 
     sums = codec.sum_code_shards(shards, n, backend=cfg.backend, nthreads=cfg.num_threads)
     avg = plan.averages.zero_()
     base, valid = 4 * shard * owner, []
-    for start, numel, scaler in plan.segments:  # the shard's pieces of each tensor; padding stays 0
+    for start, numel, scaler, scalers in plan.segments:  # the shard's pieces of each tensor; padding stays 0
         lo, hi = max(start, base), min(start + numel, base + 4 * shard)
         if lo < hi:
             piece = avg[lo - base: hi - base]
-            codec.decode_packed_sums(sums, n, lo - base, hi - lo, scaler, out=piece, backend=cfg.backend,
-                                     nthreads=cfg.num_threads)
+            if scalers is None:
+                codec.decode_packed_sums(sums, n, lo - base, hi - lo, scaler, out=piece, backend=cfg.backend,
+                                         nthreads=cfg.num_threads)
+            else:
+                codec.decode_packed_sums_blocks(sums, n, lo - base, hi - lo, scalers, cfg.block_size, first=lo - start,
+                                                out=piece, backend=cfg.backend, nthreads=cfg.num_threads)
             valid.append(piece)
     kept = plan.residuals.get(key) if cfg.owner_error_feedback else None
     if kept is not None and kept.numel() == avg.numel():  # another layout (world size, bucket): start afresh

@@ -1,4 +1,4 @@
-"""The on-wire record of one tensor from one rank (docs/wire-format.md, version 1).
+"""The on-wire record of one tensor from one rank (docs/wire-format.md, versions 1 and 2).
 
     offset size field
     0      2    magic b"TG"
@@ -9,6 +9,11 @@
     16     4    scaler: float32 LE
     20     4    step: uint32 LE (low 32 bits of the optimizer step)
     24     ...  ceil(numel / 4) bytes of packed 2-bit codes, then zero bytes up to a multiple of 8
+
+Version 2 (block scalers, one per block_size elements) differs in two places: offset 16 holds block_size
+(uint32 LE) instead of the scaler, and without a shared scaler the record carries the rank's ceil(numel /
+block_size) block scalers (fp32 LE, then zero bytes up to a multiple of 8) between header and codes. With a
+shared scaler every rank already holds the block scalers, from the Max allreduce.
 
 A rank's payload is its records back to back; an allgather concatenates the ranks' payloads in rank order.
 """
@@ -22,10 +27,13 @@ import torch
 
 MAGIC = b"TG"
 VERSION = 1
+VERSION_BLOCKS = 2  # block scalers
+VERSIONS = (VERSION, VERSION_BLOCKS)
 FLAG_SHARED = 1
 FLAG_NONFINITE = 2
 HEADER = struct.Struct("<2sBBIQfI")
-HEADER_SIZE = HEADER.size  # 24
+HEADER_V2 = struct.Struct("<2sBBIQII")  # offset 16: block_size
+HEADER_SIZE = HEADER.size  # 24, both versions
 # A coded tensor's entry in the scaler Max allreduce (share_scaler=True): [scaler, non-finite rank + 1, tag,
 # -tag] as fp32, see engine.scaler_vector.
 SCALER_ENTRY_BYTES = 16
@@ -52,8 +60,20 @@ def sums_size(shard_bytes: int, nranks: int) -> int:
 OWNER_SCALER_BYTES = 4
 
 
-def record_size(numel: int) -> int:
-    return HEADER_SIZE + (codes_size(numel) + 7) // 8 * 8
+def _pad8(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def block_scalers_size(numel: int, block_size: int) -> int:
+    """Bytes of a version-2 record's block scalers, padding included."""
+    return _pad8(4 * ((numel + block_size - 1) // block_size))
+
+
+def record_size(numel: int, block_size: int = 0, shared: bool = True) -> int:
+    """Bytes of one record: version 1 (block_size 0), or version 2, which carries its block scalers unless
+    they are shared."""
+    scalers = block_scalers_size(numel, block_size) if block_size and not shared else 0
+    return HEADER_SIZE + scalers + _pad8(codes_size(numel))
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,18 @@ class Header:
     flags: int
     tag: int
     numel: int
-    scaler: float
+    scaler: float  # version 1; 0.0 in version 2, whose scalers are per block
     step: int
+    block_size: int = 0  # version 2 when > 0
+
+    @property
+    def version(self) -> int:
+        return VERSION_BLOCKS if self.block_size else VERSION
 
     def pack(self) -> bytes:
+        if self.block_size:
+            return HEADER_V2.pack(MAGIC, VERSION_BLOCKS, self.flags, self.tag, self.numel, self.block_size,
+                                  self.step & 0xFFFFFFFF)
         return HEADER.pack(MAGIC, VERSION, self.flags, self.tag, self.numel, self.scaler, self.step & 0xFFFFFFFF)
 
 
@@ -85,19 +113,26 @@ def zero_padding(record: torch.Tensor, numel: int) -> None:
 
 
 def parse_header(raw: bytes) -> tuple[bytes, int, Header]:
+    if raw[2:3] == bytes([VERSION_BLOCKS]):
+        magic, version, flags, tag, numel, block_size, step = HEADER_V2.unpack(raw)
+        return magic, version, Header(flags, tag, numel, 0.0, step, block_size)
     magic, version, flags, tag, numel, scaler, step = HEADER.unpack(raw)
     return magic, version, Header(flags, tag, numel, scaler, step)
 
 
-def check_header(raw: bytes, *, name: str, src_rank: int, my_rank: int, tag: int, numel: int, step: int) -> Header:
+def check_header(raw: bytes, *, name: str, src_rank: int, my_rank: int, tag: int, numel: int, step: int,
+                 block_size: int = 0) -> Header:
     """Validate one received header against what this rank expects; raise PayloadMismatch otherwise."""
     magic, version, h = parse_header(raw)
     where = f"tensor {name!r}: the record from rank {src_rank} (checked on rank {my_rank})"
     if magic != MAGIC:
         raise PayloadMismatch(f"{where} has no TernGrad magic ({magic!r}): corrupt payload or a rank not "
                               f"running TernGrad")
-    if version != VERSION:
-        raise PayloadMismatch(f"{where} has wire-format version {version}, this rank speaks {VERSION}")
+    if version not in VERSIONS:
+        raise PayloadMismatch(f"{where} has wire-format version {version}, this rank speaks {VERSIONS}")
+    if h.block_size != block_size:
+        raise PayloadMismatch(f"{where} has block_size={h.block_size or None} but rank {my_rank} has "
+                              f"{block_size or None}: ranks must use the same TernGrad options")
     if h.numel != numel or h.tag != tag:
         raise PayloadMismatch(f"{where} is another tensor (numel {h.numel}, tag {h.tag:#010x}; expected numel "
                               f"{numel}, tag {tag:#010x}): the ranks disagree on tensor order, names or shapes")

@@ -264,8 +264,9 @@ def test_cuda_source_compiles_with_nvrtc_as_cupy_does_without_spills():
     if ptxas is None:
         pytest.skip("NVRTC compiled every kernel; ptxas is not installed, so registers and spills are unread")
     kernels = {u.kernel for u in uses}
-    assert {"tg_decode_sum", "tg_stats_partial_f32", "tg_ternarize_pack_bf16", "tg_sum_shards"} <= kernels
-    assert len(uses) == len(kr.ARCHS) * len(kernels) == 22  # 11 kernels
+    assert {"tg_decode_sum", "tg_stats_partial_f32", "tg_ternarize_pack_bf16", "tg_sum_shards",
+            "tg_ternarize_pack_blocks_f16", "tg_block_absmax_f64"} <= kernels
+    assert len(uses) == len(kr.ARCHS) * len(kernels) == 38  # 19 kernels
     assert [u for u in uses if u.spill_stores or u.spill_loads] == []
 
 

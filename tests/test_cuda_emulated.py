@@ -35,8 +35,12 @@ def emu(tmp_path_factory):
     lib.emu_sum_shards.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     lib.emu_decode_packed_sums.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
                                            ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p]
-    lib.emu_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
-                               ctypes.c_longlong, ctypes.c_void_p]
+    ll = ctypes.c_longlong
+    lib.emu_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ll, ll, ctypes.c_int, ll,
+                               ctypes.c_void_p]
+    lib.emu_ternarize_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ll, ctypes.c_void_p, ll, u32, u32, u32, u32,
+                                         u32, ctypes.c_void_p]
+    lib.emu_block_absmax.argtypes = [ctypes.c_int, ctypes.c_void_p, ll, ll, ctypes.c_void_p]
     return lib
 
 
@@ -69,8 +73,7 @@ def test_gpu_kernels_match_reference(emu, dtype, n):
         ptrs = np.array([a.data_ptr(), c.data_ptr()], dtype=np.uint64)
         w = np.array([np.float32(s) / np.float32(2) for s in scalers], dtype=np.float32)
         out = torch.empty(n, dtype=torch.float32)
-        post = float(np.float32(scalers[0]) / np.float32(2))
-        bad = emu.emu_decode(ptrs.ctypes.data, 2, w.ctypes.data, int(shared), post, n, out.data_ptr())
+        bad = emu.emu_decode(ptrs.ctypes.data, 2, w.ctypes.data, 1, max(n, 1), int(shared), n, out.data_ptr())
         ref, ok = reference.decode_mean([a, c], scalers, shared, n)
         assert bad == 0 and ok
         assert torch.equal(out, ref)
@@ -102,3 +105,39 @@ def test_gpu_sharded_kernels_write_the_golden_sums_and_decode_them(emu, case):
         out = torch.empty(k, dtype=torch.float32)
         emu.emu_decode_packed_sums(packed.data_ptr(), n, bits, start, k, float(post), out.data_ptr())
         assert torch.equal(out, codec.decode_packed_sums(packed, n, start, k, 0.5, backend="reference"))
+
+
+BLOCKS = json.loads((HERE / "golden" / "codec_v2.json").read_text())
+
+
+def gpu_ternarize_blocks(lib, x, scalers, block, key):
+    x = x.contiguous()
+    out = torch.zeros((x.numel() + 3) // 4, dtype=torch.uint8)
+    sc = (scalers.float() * 2.0**-17).contiguous()
+    lib.emu_ternarize_blocks(DT[x.dtype], x.data_ptr(), x.numel(), sc.data_ptr(), block, key.seed & 0xFFFFFFFF,
+                             key.seed >> 32, key.rank << 16, key.tensor_id, key.step, out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("case", BLOCKS["cases"], ids=lambda c: c["name"])
+def test_gpu_block_kernels_golden_vectors(emu, case):
+    """Version 2 (block scalers): the GPU kernels' block maxima, codes and decode, played on the host."""
+    from tests.golden.make_golden import block_case
+
+    x, scalers, block, key = block_case(case)
+    n = x.numel()
+    bits = torch.zeros(codec.num_blocks(n, block), dtype=torch.int64)
+    emu.emu_block_absmax(DT[x.dtype], x.contiguous().data_ptr(), n, block, bits.data_ptr())
+    assert torch.equal(bits.view(torch.float64), reference.block_absmax(x, block))
+    codes = gpu_ternarize_blocks(emu, x, scalers, block, key)
+    assert bytes(codes.tolist()).hex() == case["packed_hex"]
+    other = gpu_ternarize_blocks(emu, x.flip(0), scalers.flip(0), block, key)
+    rows = torch.stack([scalers, scalers.flip(0)])
+    ptrs = np.array([codes.data_ptr(), other.data_ptr()], dtype=np.uint64)
+    for shared in (True, False):
+        w = ((rows[:1] if shared else rows) / 2).contiguous()
+        out = torch.empty(n, dtype=torch.float32)
+        assert emu.emu_decode(ptrs.ctypes.data, 2, w.data_ptr(), w.shape[1], block, int(shared), n,
+                              out.data_ptr()) == 0
+        ref, ok = reference.decode_mean_blocks([codes, other], rows[0] if shared else rows, shared, n, block)
+        assert ok and torch.equal(out, ref)

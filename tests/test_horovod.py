@@ -61,21 +61,31 @@ def body_exact(front, steps, options):
                 assert torch.equal(p.grad, avg), n
                 checks["float_is_average"] += 1
                 continue
-            s_local = cfg.scaler(codec.moments(g))
-            s_all = hvd.allgather(torch.tensor([s_local], dtype=torch.float64), name=f"check.s.{n}")
-            s_used = tg.engine.scalers_used[n]
-            if cfg.share_scaler:
-                assert s_used == float(s_all.max()), (n, s_used, s_all)
-                checks["scaler_is_max"] += 1
-            else:
-                assert s_used == s_local
             key_step = tg.engine.step - 1  # the engine has moved on to the next step
-            codes = reference.ternarize_pack(g, s_used, cfg.seed, key_step, rank, tensor_id(n))
+            if cfg.block_size:  # one scaler a block, each element on its block's scaler
+                k = cfg.block_size
+                s_local = cfg.block_scalers(codec.moments(g), reference.block_absmax(g, k))
+                s_all = hvd.allgather(s_local[None], name=f"check.s.{n}")
+                s_used = s_all.max(dim=0).values if cfg.share_scaler else s_local
+                checks["scaler_is_max"] += cfg.share_scaler and tg.engine.scalers_used[n] == float(s_used.max())
+                codes = reference.ternarize_pack_blocks(g, s_used, k, cfg.seed, key_step, rank, tensor_id(n))
+                all_s = hvd.allgather(reference.per_element(s_used, k, g.numel())[None].double(),
+                                      name=f"check.su.{n}")
+            else:
+                s_local = cfg.scaler(codec.moments(g))
+                s_all = hvd.allgather(torch.tensor([s_local], dtype=torch.float64), name=f"check.s.{n}")
+                s_used = tg.engine.scalers_used[n]
+                if cfg.share_scaler:
+                    assert s_used == float(s_all.max()), (n, s_used, s_all)
+                    checks["scaler_is_max"] += 1
+                else:
+                    assert s_used == s_local
+                codes = reference.ternarize_pack(g, s_used, cfg.seed, key_step, rank, tensor_id(n))
+                all_s = hvd.allgather(torch.tensor([s_used], dtype=torch.float64), name=f"check.su.{n}")
             all_codes = hvd.allgather(codes[None], name=f"check.codes.{n}")
-            all_s = hvd.allgather(torch.tensor([s_used], dtype=torch.float64), name=f"check.su.{n}")
             total = torch.zeros(g.numel(), dtype=torch.float64)
             for r in range(size):  # each rank's ternary gradient, decoded on its own
-                total += reference.values(reference.unpack(all_codes[r], g.numel())).double() * float(all_s[r])
+                total += reference.values(reference.unpack(all_codes[r], g.numel())).double() * all_s[r]
             expected = (total / size).float()
             assert torch.equal(p.grad.reshape(-1), expected), (n, step)
             checks["exact"] += 1
@@ -108,6 +118,17 @@ def test_options_on_two_ranks(options):
     res = run_ranks("tests.test_horovod:body_exact", np=2, timeout=120, args=("hvd_terngrad", 3, options))
     assert torch.equal(res[0]["params"], res[1]["params"])
     assert res[0]["checks"]["exact"] == 9
+
+
+@pytest.mark.parametrize("np,front,options", [(4, "stock", {"block_size": 64}), (4, "hvd_terngrad", {"block_size": 64}),
+                                              (2, "hvd_terngrad", {"block_size": 128, "share_scaler": False})])
+def test_block_scalers_through_horovod(np, front, options):
+    """Every coded gradient equals the independent decode of each rank's block-coded gradient (N = 2 or 4, where
+    the check's fp64 sum rounds as the fp32 decode does)."""
+    res = run_ranks("tests.test_horovod:body_exact", np=np, timeout=120, args=(front, 3, options))
+    assert all(torch.equal(r["params"], res[0]["params"]) for r in res)
+    assert res[0]["checks"]["exact"] == 9
+    assert res[0]["checks"]["scaler_is_max"] == (9 if options.get("share_scaler", True) else 0)
 
 
 def body_train(front, options, steps=4, bpps=1):

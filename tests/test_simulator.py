@@ -21,6 +21,11 @@ CASES = [  # (name, TernGrad options)
     ("sharded-ternary", {"transport": "sharded-ternary"}),
     ("sharded-ternary-owner-ef", {"transport": "sharded-ternary", "owner_error_feedback": True,
                                   "error_feedback": True}),
+    ("blocks", {"block_size": 64}),
+    ("blocks-noshare-ef", {"block_size": 128, "share_scaler": False, "error_feedback": True}),
+    ("blocks-summed", {"block_size": 64, "transport": "summed"}),
+    ("blocks-sharded", {"block_size": 64, "transport": "sharded"}),
+    ("blocks-sharded-ternary", {"block_size": 256, "transport": "sharded-ternary"}),
 ]
 COMMON = {"seed": 3, "min_numel": 256, "exclude": ("head.*",)}
 BUCKET_BYTES = 4 * 2048  # several buckets

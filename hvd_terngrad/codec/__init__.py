@@ -3,6 +3,10 @@
     moments(x)                                -> Moments(mean, std, absmax, nonfinite) of a gradient
     ternarize_pack(x, scaler, key, out=None)  -> uint8 tensor of ceil(n/4) packed 2-bit codes
     decode_mean(codes, scalers, shared, n)    -> fp32 average of the ranks' ternary tensors
+and their block-scaler forms (wire format version 2: one scaler per block of block_size elements):
+    block_absmax(x, block_size)               -> fp64 max|x| per block
+    ternarize_pack_blocks(x, scalers, block_size, key, out=None)
+    decode_mean_blocks(codes, scalers, shared, n, block_size)
 
 (The C and CUDA symbols keep their ABI names: tg_stats computes the moments, tg_decode_sum the mean.)
 
@@ -107,6 +111,83 @@ def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tenso
     return out
 
 
+def check_block_size(block_size: int) -> None:
+    """Block sizes are powers of two from 64 (whole SIMD runs and Philox blocks) to 2^30."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 64 <= block_size <= 1 << 30 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in [64, 2**30], got {block_size!r}")
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
+
+
+def block_absmax(x: torch.Tensor, block_size: int, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
+    """max|x| of each block of block_size elements (NaN ignored), fp64 on x's device: exact for any dtype."""
+    check_block_size(block_size)
+    x = _flat(x)
+    be = resolve_backend(x, backend)
+    if be == "cpu":
+        out = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float64)
+        cpu.block_absmax(x, block_size, out, nthreads)
+        return out
+    if be == "cuda":
+        return _cuda().block_absmax(x, block_size)
+    return reference.block_absmax(x, block_size).to(x.device)
+
+
+def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if scalers.dtype != torch.float32 or tuple(scalers.shape) != shape:
+        raise ValueError(f"block scalers must be fp32 of shape {shape}, got {scalers.dtype} {tuple(scalers.shape)}")
+    if scalers.numel() and not bool(((scalers >= 0) & (scalers < float("inf"))).all()):
+        raise ValueError("block scalers must be finite and >= 0")
+    return scalers.contiguous()
+
+
+def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block_size: int, key: RngKey,
+                          out: torch.Tensor | None = None, backend: str = "auto",
+                          nthreads: int | None = None) -> torch.Tensor:
+    """ternarize_pack with scalers[i // block_size] for element i (scalers: fp32, one per block)."""
+    check_block_size(block_size)
+    x = _flat(x)
+    n = x.numel()
+    scalers = _check_scalers(scalers, (num_blocks(n, block_size),))
+    nbytes = codes_size(n)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
+    be = resolve_backend(x, backend)
+    if be == "cpu":
+        cpu.ternarize_pack_blocks(x, scalers.cpu(), block_size, key.seed, key.step, key.rank, key.tensor_id, out,
+                                  nthreads)
+    elif be == "cuda":
+        _cuda().ternarize_pack_blocks(x, scalers, block_size, key, out)
+    else:
+        out.copy_(reference.ternarize_pack_blocks(x, scalers, block_size, key.seed, key.step, key.rank,
+                                                  key.tensor_id))
+    return out
+
+
+def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
+    """values[i] *= factors[(start + i) // block_size], in place, one fp32 multiply an element: the block
+    form of the shared-scaler decode fl32(sum * fl32(s / N)) once values hold the code sums."""
+    f = factors.to(device=values.device, dtype=torch.float32)
+    n, i = values.numel(), 0
+    head = min(n, (-start) % block_size)
+    if head:
+        values[:head].mul_(f[start // block_size])
+        i = head
+    full = (n - i) // block_size
+    if full:
+        b0 = (start + i) // block_size
+        values[i: i + full * block_size].view(full, block_size).mul_(f[b0: b0 + full, None])
+        i += full * block_size
+    if i < n:
+        values[i:].mul_(f[(start + i) // block_size])
+    return values
+
+
 class CorruptPayload(ValueError):
     """Codes that no encoder writes: 0b11, or a non-zero padding code."""
 
@@ -134,9 +215,40 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
     if be == "cpu":
         ok = cpu.decode_mean(codes, scalers, shared, n, out, nthreads)
     elif be == "cuda":
-        ok = _cuda().decode_mean(codes, scalers, shared, n, out)
+        w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)
+        ok = _cuda().decode_mean(codes, w.view(-1, 1), max(n, 1), shared, n, out)
     else:
         res, ok = reference.decode_mean([c.cpu() for c in codes], scalers, shared, n)
+        out.copy_(res)
+    if not ok:
+        raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")
+    return out
+
+
+def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int, block_size: int,
+                       out: torch.Tensor | None = None, backend: str = "auto",
+                       nthreads: int | None = None) -> torch.Tensor:
+    """decode_mean with block scalers: scalers fp32 (nranks, nblocks), or (nblocks,) when shared."""
+    check_block_size(block_size)
+    if not codes:
+        raise ValueError("decode_mean_blocks needs the codes of at least one rank")
+    nb = num_blocks(n, block_size)
+    scalers = _check_scalers(scalers, (nb,) if shared else (len(codes), nb))
+    nbytes = codes_size(n)
+    for r, c in enumerate(codes):
+        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
+            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got {c.numel()} {c.dtype}")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=codes[0].device)
+    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
+    be = resolve_backend(codes[0], backend)
+    if be == "cpu":
+        ok = cpu.decode_mean_blocks(codes, scalers.cpu(), shared, n, block_size, out, nthreads)
+    elif be == "cuda":
+        ok = _cuda().decode_mean(codes, scalers.reshape(-1, nb) / len(codes), block_size, shared, n, out)
+    else:
+        res, ok = reference.decode_mean_blocks(codes, scalers, shared, n, block_size)
         out.copy_(res)
     if not ok:
         raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")
@@ -188,3 +300,12 @@ def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, sc
         return out
     sums = reference.unpack_sums(packed[lo:hi], nranks)[: n]
     return out.copy_(reference.decode_sums(sums, scaler, nranks))
+
+
+def decode_packed_sums_blocks(packed: torch.Tensor, nranks: int, start: int, n: int, scalers: torch.Tensor,
+                              block_size: int, first: int = 0, out: torch.Tensor | None = None,
+                              backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
+    """decode_packed_sums with block scalers: element i is fl32(sum * fl32(s_b / N)), s_b the scaler of the
+    tensor's block (first + i) // block_size (first: the tensor element at stream element start)."""
+    sums = decode_packed_sums(packed, nranks, start, n, float(nranks), out=out, backend=backend, nthreads=nthreads)
+    return scale_blocks_(sums, scalers / nranks, block_size, start=first)  # the sums times fl32(N / N) = 1, exact

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _lib = None
 _error: str | None = None
@@ -53,6 +53,13 @@ def _load():
     lib.tg_decode_sum.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), ctypes.c_int,
                                   i64, vp, ctypes.c_int]
     lib.tg_decode_sum.restype = ctypes.c_int
+    lib.tg_ternarize_pack_blocks.argtypes = [ctypes.c_int, vp, i64, vp, i64, u64, u32, u32, u32, vp, ctypes.c_int]
+    lib.tg_ternarize_pack_blocks.restype = ctypes.c_int
+    lib.tg_decode_sum_blocks.argtypes = [ctypes.c_int, ctypes.POINTER(vp), vp, ctypes.c_int, i64, i64, vp,
+                                         ctypes.c_int]
+    lib.tg_decode_sum_blocks.restype = ctypes.c_int
+    lib.tg_block_absmax.argtypes = [ctypes.c_int, vp, i64, i64, vp, ctypes.c_int]
+    lib.tg_block_absmax.restype = ctypes.c_int
     lib.tg_sum_shards.argtypes = [ctypes.c_int, ctypes.POINTER(vp), i64, vp, ctypes.c_int]
     lib.tg_sum_shards.restype = ctypes.c_int
     lib.tg_decode_packed_sums.argtypes = [vp, ctypes.c_int, i64, i64, ctypes.c_float, vp, ctypes.c_int]
@@ -130,6 +137,34 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
     rc = lib.tg_decode_sum(nr, ptrs, sc, int(shared), n, out.data_ptr(), nthreads or default_threads())
     _check(rc, "decode_mean")
     return rc == 0
+
+
+def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, seed: int, step: int, rank: int,
+                          tensor_id: int, out: torch.Tensor, nthreads: int | None = None) -> None:
+    """scalers: contiguous fp32 CPU tensor, one per block of `block` elements."""
+    lib = _lib_or_raise()
+    rc = lib.tg_ternarize_pack_blocks(_DTYPES[x.dtype], x.data_ptr(), x.numel(), scalers.data_ptr(), block, seed,
+                                      step, rank, tensor_id, out.data_ptr(), nthreads or default_threads())
+    _check(rc, "ternarize_pack (block scalers)")
+
+
+def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int, block: int,
+                       out: torch.Tensor, nthreads: int | None = None) -> bool:
+    """scalers: contiguous fp32 CPU tensor, (nranks, nblocks), or (nblocks,) when shared."""
+    lib = _lib_or_raise()
+    nr = len(codes)
+    ptrs = (ctypes.c_void_p * nr)(*[c.data_ptr() for c in codes])
+    rc = lib.tg_decode_sum_blocks(nr, ptrs, scalers.data_ptr(), int(shared), n, block, out.data_ptr(),
+                                  nthreads or default_threads())
+    _check(rc, "decode_mean (block scalers)")
+    return rc == 0
+
+
+def block_absmax(x: torch.Tensor, block: int, out: torch.Tensor, nthreads: int | None = None) -> None:
+    """out: contiguous fp64 CPU tensor of ceil(n / block) elements."""
+    lib = _lib_or_raise()
+    _check(lib.tg_block_absmax(_DTYPES[x.dtype], x.data_ptr(), x.numel(), block, out.data_ptr(),
+                               nthreads or default_threads()), "block_absmax")
 
 
 def sum_shards(shards: torch.Tensor, nranks: int, out: torch.Tensor, nthreads: int | None = None) -> bool:

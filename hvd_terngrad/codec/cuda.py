@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 SOURCE = Path(__file__).with_name("terngrad_kernels.cu")
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
 _CUPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.uint16,
-               torch.bfloat16: np.uint16, torch.uint8: np.uint8}
+               torch.bfloat16: np.uint16, torch.uint8: np.uint8, torch.int64: np.int64}
 # What CuPy's RawModule gets; benchmarks/kernel_resources.py compiles with the same options in CI.
 NVRTC_OPTIONS = ("-std=c++17",)
 _THREADS = 256
@@ -101,20 +101,50 @@ def ternarize_pack(x: torch.Tensor, scaler: float, key, out: torch.Tensor) -> No
            np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step), _wrap(out)))
 
 
-def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor) -> bool:
+def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, key, out: torch.Tensor) -> None:
+    """scalers: fp32, one per block of `block` elements (moved to x's device)."""
+    n = x.numel()
+    if n == 0:
+        return
+    nblk = (n + 7) // 8
+    sc = scalers.to(device=x.device, dtype=torch.float32) * 2.0**-17  # fl32(s * 2^-17), no flush to zero
+    with _OnTorchStream(x):
+        k = _kernels().get_function(f"tg_ternarize_pack_blocks_{_SUFFIX[x.dtype]}")
+        k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (_wrap(x), np.int64(n), _wrap(sc), np.int64(block), np.uint32(key.seed & 0xFFFFFFFF),
+           np.uint32(key.seed >> 32), np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step),
+           _wrap(out)))
+
+
+def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp64 per block of `block` elements: max|x|, NaN ignored."""
+    n = x.numel()
+    nb = (n + block - 1) // block
+    out = torch.zeros(nb, dtype=torch.float64, device=x.device)
+    if n:
+        nblk = (n + 7) // 8
+        with _OnTorchStream(x):
+            k = _kernels().get_function(f"tg_block_absmax_{_SUFFIX[x.dtype]}")
+            k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
+              (_wrap(x), np.int64(n), np.int64(block), _wrap(out.view(torch.int64)).view(cp.uint64)))
+    return out
+
+
+def decode_mean(codes: list[torch.Tensor], weights: torch.Tensor, block: int, shared: bool, n: int,
+                out: torch.Tensor) -> bool:
+    """weights: fp32 fl32(s / nranks), (nranks, nblocks) or, shared, (1, nblocks); one block: block >= n."""
     if n == 0:
         return True
     nr = len(codes)
-    weights = np.array([np.float32(s) / np.float32(nr) for s in scalers], dtype=np.float32)
-    post = np.float32(scalers[0]) / np.float32(nr)
     nbytes = (n + 3) // 4
     with _OnTorchStream(out):
         ptrs = cp.asarray(np.array([c.data_ptr() for c in codes], dtype=np.uint64))
-        w = cp.asarray(weights)
+        w = weights.to(device=out.device, dtype=torch.float32).contiguous()
         bad = cp.zeros(1, dtype=cp.int32)
         k = _kernels().get_function("tg_decode_sum")
         k(((nbytes + _THREADS - 1) // _THREADS,), (_THREADS,),
-          (ptrs, np.int32(nr), w, np.int32(int(shared)), np.float32(post), np.int64(n), _wrap(out), bad))
+          (ptrs, np.int32(nr), _wrap(w), np.int64(w.shape[-1]), np.int64(block), np.int32(int(shared)), np.int64(n),
+           _wrap(out), bad))
         return int(bad.get()[0]) == 0
 
 

@@ -90,14 +90,14 @@ def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
     return x0 + md, math.sqrt(var), absmax, nonfinite
 
 
-def codes_of(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
-    """Unpacked codes (uint8: 0, 1 = +1, 2 = -1) of a flat tensor."""
+def codes_of(x: torch.Tensor, scaler, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
+    """Unpacked codes (uint8: 0, 1 = +1, 2 = -1) of a flat tensor; scaler: one float, or fp32 per element."""
     x = x.reshape(-1)
     xf = x.float()
     h = uniform_halves(x.numel(), seed, step, rank, tensor_id)
     # Bernoulli(|x| / s) with the midpoint of a 16-bit cell as the uniform, as fp32 products:
     # keep iff fl((2h + 1) * fl(s * 2^-17)) < |x|.
-    s17 = torch.tensor(scaler, dtype=torch.float32) * 2.0**-17
+    s17 = torch.as_tensor(scaler, dtype=torch.float32) * 2.0**-17
     t = (2 * h + 1).float() * s17
     keep = t < xf.abs()
     neg = torch.signbit(xf)
@@ -118,6 +118,39 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def ternarize_pack(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int) -> torch.Tensor:
     return pack(codes_of(x, scaler, seed, step, rank, tensor_id))
+
+
+def per_element(scalers: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Block scalers (version 2): the value of element i is that of block i // block, for the last dimension."""
+    return scalers.repeat_interleave(block, dim=-1)[..., :n]
+
+
+def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """max|x| per block of `block` elements, NaN ignored, in fp64."""
+    a = x.reshape(-1).double().abs().nan_to_num(nan=0.0)
+    pad = (-a.numel()) % block
+    return torch.cat([a, a.new_zeros(pad)]).view(-1, block).max(dim=1).values
+
+
+def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, seed: int, step: int, rank: int,
+                          tensor_id: int) -> torch.Tensor:
+    """Version 2: element i coded with scalers[i // block] (fp32)."""
+    s = per_element(scalers.float().cpu(), block, x.numel())
+    return pack(codes_of(x, s, seed, step, rank, tensor_id))
+
+
+def decode_mean_blocks(packed: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int,
+                       block: int) -> tuple[torch.Tensor, bool]:
+    """decode_mean with block scalers: scalers (nranks, nblocks), or (nblocks,) when shared."""
+    nranks = len(packed)
+    w = per_element(scalers.float().cpu().reshape(-1 if shared else nranks, scalers.shape[-1]), block, n) / nranks
+    ok = True
+    acc = torch.zeros(n, dtype=torch.float32)
+    for r, p in enumerate(packed):
+        c = unpack(p.cpu(), ((n + 3) // 4) * 4)
+        ok = ok and not bool((c == 3).any()) and not bool((c[n:] != 0).any())
+        acc = acc + (values(c[:n]) if shared else values(c[:n]) * w[r])
+    return (acc * w[0] if shared else acc), ok
 
 
 def values(codes: torch.Tensor) -> torch.Tensor:

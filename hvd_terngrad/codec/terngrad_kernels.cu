@@ -93,11 +93,9 @@ __device__ void tg_stats_partial_impl(const T* x, long long n, long long chunk, 
 // ---------------------------------------------------------------------------------------------------
 // Ternarize + pack: one thread per Philox block j, i.e. elements 8j .. 8j+7 and output bytes 2j, 2j+1.
 template <typename T>
-__device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m17, unsigned int k0, unsigned int k1,
-                                       unsigned int c1_hi, unsigned int tensor_id, unsigned int step,
-                                       unsigned char* out) {
-  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (8 * j >= n) return;
+__device__ __forceinline__ void tg_ternarize_block8(const T* x, long long n, long long j, float scaler_2m17,
+                                                    unsigned int k0, unsigned int k1, unsigned int c1_hi,
+                                                    unsigned int tensor_id, unsigned int step, unsigned char* out) {
   unsigned int c[4] = {(unsigned int)j, (unsigned int)(((unsigned long long)j >> 32) & 0xffffu) | c1_hi, tensor_id,
                        step};
   tg_philox(c, k0, k1);
@@ -116,6 +114,41 @@ __device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m1
   if (8 * j + 4 < n) out[2 * j + 1] = (unsigned char)(bits >> 8);
 }
 
+template <typename T>
+__device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m17, unsigned int k0, unsigned int k1,
+                                       unsigned int c1_hi, unsigned int tensor_id, unsigned int step,
+                                       unsigned char* out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (8 * j < n) tg_ternarize_block8(x, n, j, scaler_2m17, k0, k1, c1_hi, tensor_id, step, out);
+}
+
+// Block scalers (wire format version 2): the 8 elements of a thread lie in one block (block: a multiple of 64),
+// coded with scalers_2m17[block of 8j] = fl32(s_b * 2^-17), formed by the caller as for one scaler (here
+// CuPy's -ftz=true would flush a subnormal product to zero).
+template <typename T>
+__device__ void tg_ternarize_pack_blocks_impl(const T* x, long long n, const float* scalers_2m17, long long block,
+                                              unsigned int k0, unsigned int k1, unsigned int c1_hi,
+                                              unsigned int tensor_id, unsigned int step, unsigned char* out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (8 * j < n)
+    tg_ternarize_block8(x, n, j, scalers_2m17[8 * j / block], k0, k1, c1_hi, tensor_id, step, out);
+}
+
+// Per block of `block` elements, max|x| with NaN ignored, into out (zeroed by the caller) as the bits of a
+// double: one thread per 8 elements, combined by an atomic max on the bit patterns, which order as the
+// values do for non-negative doubles. Exact for every input type.
+template <typename T>
+__device__ void tg_block_absmax_impl(const T* x, long long n, long long block, unsigned long long* out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (8 * j >= n) return;
+  double m = 0.0;
+  for (long long i = 8 * j; i < 8 * j + 8 && i < n; ++i) {
+    const double a = fabs(tg_load_d(x, i));
+    m = a > m ? a : m;
+  }
+  if (m > 0.0) atomicMax(out + 8 * j / block, (unsigned long long)__double_as_longlong(m));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // The value of code q (0..3) of a byte: 0b01 -> +1, 0b10 -> -1, 0b00 and the invalid 0b11 -> 0.
 __device__ __forceinline__ int tg_code_value(unsigned char byte, int q) {
@@ -131,18 +164,22 @@ __device__ __forceinline__ unsigned char tg_code_byte(const unsigned long long* 
   return byte;
 }
 
-// Decode: one thread per code byte (4 elements); codes[r] points at rank r's codes.
+// Decode: one thread per code byte (4 elements); codes[r] points at rank r's codes. weights[r * nblocks + b]
+// is fl32(s / nranks) for rank r's block b (one block: nblocks = 1, block >= n). Shared: row 0 only, applied
+// once to the code sum.
 extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nranks, const float* weights,
-                                         int shared, float post, long long n, float* out, int* bad) {
+                                         long long nblocks, long long block, int shared, long long n, float* out,
+                                         int* bad) {
   const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long nbytes = (n + 3) / 4;
   if (k >= nbytes) return;
+  const long long b = 4 * k / block;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   unsigned int badbits = 0;
   for (int r = 0; r < nranks; ++r) {
     const unsigned char byte = tg_code_byte(codes, r, k, badbits);
     if (k == nbytes - 1 && (n % 4)) badbits |= byte >> (2 * (n % 4));
-    const float w = shared ? 1.0f : weights[r];
+    const float w = shared ? 1.0f : weights[r * nblocks + b];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float v = (float)tg_code_value(byte, q);
@@ -150,6 +187,7 @@ extern "C" __global__ void tg_decode_sum(const unsigned long long* codes, int nr
     }
   }
   if (badbits) atomicOr(bad, 1);
+  const float post = weights[b];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const long long i = 4 * k + q;
@@ -218,6 +256,16 @@ extern "C" __global__ void tg_decode_packed_sums(const unsigned char* packed, in
                                                         unsigned int tensor_id, unsigned int step,              \
                                                         unsigned char* out) {                                   \
     tg_ternarize_pack_impl<T>(x, n, scaler_2m17, k0, k1, c1_hi, tensor_id, step, out);                         \
+  }                                                                                                            \
+  extern "C" __global__ void tg_ternarize_pack_blocks_##SUFFIX(const T* x, long long n, const float* s2m17,     \
+                                                               long long block, unsigned int k0, unsigned int k1, \
+                                                               unsigned int c1_hi, unsigned int tensor_id,      \
+                                                               unsigned int step, unsigned char* out) {         \
+    tg_ternarize_pack_blocks_impl<T>(x, n, s2m17, block, k0, k1, c1_hi, tensor_id, step, out);                  \
+  }                                                                                                            \
+  extern "C" __global__ void tg_block_absmax_##SUFFIX(const T* x, long long n, long long block,                  \
+                                                      unsigned long long* out) {                                \
+    tg_block_absmax_impl<T>(x, n, block, out);                                                                 \
   }
 
 TG_INSTANTIATE(f32, float)

@@ -20,6 +20,10 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline int atomicOr(int* p, int v) { const int o = *p; *p |= v; return o; }
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  const unsigned long long o = *p; *p = v > o ? v : o; return o;
+}
+static inline long long __double_as_longlong(double d) { long long u; std::memcpy(&u, &d, 8); return u; }
 static inline void __syncthreads() {}
 using std::min;
 
@@ -45,10 +49,32 @@ static void tern_body(void* p) {
   }
 }
 
-struct DecArgs { const unsigned long long* codes; int nranks; const float* w; int shared; float post; long long n; float* out; int* bad; };
+struct DecArgs { const unsigned long long* codes; int nranks; const float* w; long long nblocks, block; int shared; long long n; float* out; int* bad; };
 static void dec_body(void* p) {
   auto* a = static_cast<DecArgs*>(p);
-  tg_decode_sum(a->codes, a->nranks, a->w, a->shared, a->post, a->n, a->out, a->bad);
+  tg_decode_sum(a->codes, a->nranks, a->w, a->nblocks, a->block, a->shared, a->n, a->out, a->bad);
+}
+
+struct BlkArgs { int dt; const void* x; long long n; const float* scalers; long long block; unsigned k0, k1, c1, tid, step; unsigned char* out; };
+static void blk_body(void* p) {
+  auto* a = static_cast<BlkArgs*>(p);
+  switch (a->dt) {
+    case 0: tg_ternarize_pack_blocks_f32((const float*)a->x, a->n, a->scalers, a->block, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 1: tg_ternarize_pack_blocks_f64((const double*)a->x, a->n, a->scalers, a->block, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 2: tg_ternarize_pack_blocks_f16((const tg_f16*)a->x, a->n, a->scalers, a->block, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+    case 3: tg_ternarize_pack_blocks_bf16((const tg_bf16*)a->x, a->n, a->scalers, a->block, a->k0, a->k1, a->c1, a->tid, a->step, a->out); break;
+  }
+}
+
+struct MaxArgs { int dt; const void* x; long long n, block; unsigned long long* out; };
+static void max_body(void* p) {
+  auto* a = static_cast<MaxArgs*>(p);
+  switch (a->dt) {
+    case 0: tg_block_absmax_f32((const float*)a->x, a->n, a->block, a->out); break;
+    case 1: tg_block_absmax_f64((const double*)a->x, a->n, a->block, a->out); break;
+    case 2: tg_block_absmax_f16((const tg_f16*)a->x, a->n, a->block, a->out); break;
+    case 3: tg_block_absmax_bf16((const tg_bf16*)a->x, a->n, a->block, a->out); break;
+  }
 }
 
 struct SumArgs { const unsigned long long* shards; int nranks; long long shard_bytes; int bits; unsigned char* out; int* bad; };
@@ -81,10 +107,21 @@ void emu_ternarize(int dt, const void* x, long long n, float s17, unsigned k0, u
   const long long nblk = (n + 7) / 8;
   grid((nblk + 255) / 256 * 256, tern_body, &a);
 }
-int emu_decode(const unsigned long long* codes, int nranks, const float* w, int shared, float post, long long n,
-               float* out) {
+void emu_ternarize_blocks(int dt, const void* x, long long n, const float* scalers, long long block, unsigned k0,
+                          unsigned k1, unsigned c1, unsigned tid, unsigned step, unsigned char* out) {
+  BlkArgs a{dt, x, n, scalers, block, k0, k1, c1, tid, step, out};
+  const long long nblk = (n + 7) / 8;
+  grid((nblk + 255) / 256 * 256, blk_body, &a);
+}
+void emu_block_absmax(int dt, const void* x, long long n, long long block, unsigned long long* out) {
+  MaxArgs a{dt, x, n, block, out};
+  const long long nblk = (n + 7) / 8;
+  grid((nblk + 255) / 256 * 256, max_body, &a);
+}
+int emu_decode(const unsigned long long* codes, int nranks, const float* w, long long nblocks, long long block,
+               int shared, long long n, float* out) {
   int bad = 0;
-  DecArgs a{codes, nranks, w, shared, post, n, out, &bad};
+  DecArgs a{codes, nranks, w, nblocks, block, shared, n, out, &bad};
   const long long nbytes = (n + 3) / 4;
   grid((nbytes + 255) / 256 * 256, dec_body, &a);
   return bad;

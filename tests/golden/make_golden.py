@@ -1,6 +1,7 @@
 """Regenerate the golden vectors from the torch reference (only when the wire format changes).
 
-    python -m tests.golden.make_golden      # codec_v1.json (sections 1-6), sharded_v1.json (sections 10-11)
+    python -m tests.golden.make_golden      # codec_v1.json (sections 1-6), sharded_v1.json (sections 10-11),
+                                            # codec_v2.json (section 12, block scalers)
 """
 import json
 import math
@@ -78,6 +79,75 @@ def main_sharded():
     print(f"wrote {path}")
 
 
+# Version 2 (block scalers): codes with one scaler per block, the block scalers from the rule of
+# TernGradConfig.block_scalers (c = 2.5, or clip 0), and a record with and without a shared scaler.
+BLOCK_CASES = [
+    # name, n, dtype, block_size, clip, seed, step, rank, tensor_id
+    ("f32_n1000_b64", 1000, "float32", 64, 2.5, 3, 9, 1, 0xC0FFEE),
+    ("f32_n300_b256_noclip", 300, "float32", 256, 0.0, 2**63 + 5, 2**32 - 1, 65535, 7),
+    ("f64_n200_b64", 200, "float64", 64, 2.5, 8, 1, 2, 8),
+    ("f16_n130_b64", 130, "float16", 64, 2.5, 9, 2, 3, 9),
+    ("bf16_n77_b64", 77, "bfloat16", 64, 2.5, 10, 3, 4, 10),
+]
+
+
+def block_input(n: int, dtype: str) -> torch.Tensor:
+    """A golden input whose magnitude falls block by block, where block scalers differ from a tensor's."""
+    ramp = torch.tensor([1.0 / (1 + i // 32) for i in range(n)], dtype=torch.float64)
+    return (golden_input(n, "float64") * ramp).to(getattr(torch, dtype))
+
+
+def block_case(case: dict):
+    """(x, fp32 block scalers, block_size, RngKey) of a codec_v2.json case."""
+    from hvd_terngrad import TernGradConfig, codec
+
+    x = block_input(case["n"], case["dtype"])
+    block = case["block_size"]
+    cfg = TernGradConfig(clip=case["clip"], block_size=block)
+    scalers = cfg.block_scalers(codec.Moments(*reference.moments(x)), reference.block_absmax(x, block))
+    return x, scalers, block, codec.RngKey(case["seed"], case["step"], case["rank"], case["tensor_id"])
+
+
+def block_record(case: dict, shared: bool) -> bytes:
+    """The version-2 record of a case's tensor (tag 0x01020304), step 5."""
+    from hvd_terngrad import wire
+
+    x, scalers, block, key = block_case(case)
+    n = x.numel()
+    codes = reference.ternarize_pack_blocks(x, scalers, block, key.seed, key.step, key.rank, key.tensor_id)
+    rec = bytearray(wire.record_size(n, block, shared))
+    rec[:wire.HEADER_SIZE] = wire.Header(wire.FLAG_SHARED if shared else 0, 0x01020304, n, 0.0, 5, block).pack()
+    off = wire.HEADER_SIZE
+    if not shared:
+        rec[off: off + 4 * scalers.numel()] = scalers.numpy().astype("<f4").tobytes()
+        off += wire.block_scalers_size(n, block)
+    rec[off: off + codes.numel()] = bytes(codes.tolist())
+    return bytes(rec)
+
+
+def main_blocks():
+    cases = []
+    for name, n, dtype, block, clip, seed, step, rank, tid in BLOCK_CASES:
+        case = {"name": name, "n": n, "dtype": dtype, "block_size": block, "clip": clip, "seed": seed,
+                "step": step, "rank": rank, "tensor_id": tid}
+        x, scalers, _, key = block_case(case)
+        packed = reference.ternarize_pack_blocks(x, scalers, block, seed, step, rank, tid)
+        case.update(scalers_hex=scalers.numpy().astype("<f4").tobytes().hex(),
+                    packed_hex=bytes(packed.tolist()).hex(),
+                    record_shared_hex=block_record(case, True).hex(),
+                    record_own_hex=block_record(case, False).hex())
+        cases.append(case)
+    path = Path(__file__).with_name("codec_v2.json")
+    path.write_text(json.dumps({"wire_format_version": 2, "cases": cases}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
-    main()
-    main_sharded()
+    import sys
+
+    if sys.argv[1:] == ["--blocks"]:  # version 2 only: v1's files stay as they are
+        main_blocks()
+    else:
+        main()
+        main_sharded()
+        main_blocks()
