@@ -39,7 +39,8 @@ from examples.train_digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
 
 METHODS = ("fp32", "terngrad", "terngrad:noclip", "terngrad:noshare", "terngrad:ef", "terngrad:sharded",
-           "terngrad:sharded-ternary")
+           "terngrad:sharded-ternary", "terngrad:block256", "terngrad:block64", "terngrad:noclip:block64",
+           "terngrad:ef:block64")
 
 
 # ---------------------------------------------------------------------------------------------- tasks

@@ -9,6 +9,7 @@
         stock                                   hvd.DistributedOptimizer(compression=TernGrad(...)) instead
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
         hier                                    hierarchical=True (float inside nodes, codes between them)
+        block<k>                                block_size=k, e.g. block256 (one scaler per k elements)
 
 `parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
 default transport left out. No Horovod is imported until an optimizer is built.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hvd_terngrad.codec import check_block_size
 from hvd_terngrad.config import TRANSPORTS
 
 COMPRESSIONS = ("fp32", "fp16", "terngrad")
@@ -30,20 +32,22 @@ class Method:
     transport: str = "allgather"
     stock: bool = False  # TernGrad through the stock hvd.DistributedOptimizer
     options: tuple[str, ...] = ()  # keys of OPTIONS, in their order
+    block_size: int | None = None
 
     @property
     def name(self) -> str:
         if self.compression != "terngrad":
             return self.compression
         mods = ([self.transport] if self.transport != "allgather" else []) + (["stock"] if self.stock else [])
-        return ":".join(["terngrad", *mods, *self.options])
+        return ":".join(["terngrad", *mods, *self.options, *([f"block{self.block_size}"] if self.block_size else [])])
 
     @property
     def optimizer(self) -> str:
         return "stock" if self.stock or self.compression != "terngrad" else "hvd_terngrad"
 
     def terngrad_options(self) -> dict:
-        return dict([OPTIONS[o] for o in self.options], transport=self.transport)
+        extra = {"block_size": self.block_size} if self.block_size else {}
+        return dict([OPTIONS[o] for o in self.options], transport=self.transport, **extra)
 
 
 def parse_method(text: str) -> Method:
@@ -56,12 +60,16 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {text!r}: only terngrad takes modifiers")
         return Method(base)
     transports = [m for m in mods if m in TRANSPORTS]
-    unknown = [m for m in mods if m not in TRANSPORTS and m != "stock" and m not in OPTIONS]
-    if unknown or len(transports) > 1 or len(set(mods)) != len(mods):
+    blocks = [m for m in mods if m.startswith("block") and m[5:].isdigit()]
+    unknown = [m for m in mods if m not in TRANSPORTS and m != "stock" and m not in OPTIONS and m not in blocks]
+    if unknown or len(transports) > 1 or len(blocks) > 1 or len(set(mods)) != len(mods):
         raise ValueError(f"method {text!r}: modifiers are one transport of {', '.join(TRANSPORTS)}, 'stock', "
-                         f"and any of {', '.join(OPTIONS)}, each once")
+                         f"any of {', '.join(OPTIONS)}, and one block<k>, each once")
+    block_size = int(blocks[0][5:]) if blocks else None
+    if block_size is not None:
+        check_block_size(block_size)
     return Method("terngrad", transports[0] if transports else "allgather", "stock" in mods,
-                  tuple(o for o in OPTIONS if o in mods))
+                  tuple(o for o in OPTIONS if o in mods), block_size)
 
 
 def build_optimizer(method: Method, model, base, seed: int = 0):

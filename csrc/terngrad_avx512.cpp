@@ -141,16 +141,17 @@ TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, do
   return p;
 }
 
-TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, float scaler, const Key& key,
-                                uint8_t* out) {
+TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, const float* scalers, int64_t block,
+                                const Key& key, uint8_t* out) {
   __m512i K0[10], K1[10];
   for (int r = 0; r < 10; ++r) {
     K0[r] = _mm512_set1_epi64(key.k0 + (uint32_t)r * TG_PHILOX_W0);
     K1[r] = _mm512_set1_epi64(key.k1 + (uint32_t)r * TG_PHILOX_W1);
   }
-  const __m512 vs17 = _mm512_set1_ps(scaler * 0x1p-17f);
   const __m512i one = _mm512_set1_epi32(1);
+  const int shift = __builtin_ctzll((uint64_t)block);  // block: a power of two (a 64-bit division is slow)
   for (int64_t i = b; i < e; i += 64) {
+    const __m512 vs17 = _mm512_set1_ps(scalers[i >> shift] * 0x1p-17f);  // 64 elements lie in one block
     __m256i w[4];
     philox8((uint64_t)i / 8, key, K0, K1, w);
     // Transpose: the four words of block l (elements 8l .. 8l+7) into one 128-bit lane.
@@ -236,7 +237,7 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
 namespace tg {
 bool avx512_usable() { return false; }
 StatPartial stats_block_avx512(int, const void*, int64_t, double) { return StatPartial(); }
-void ternarize_avx512(int, const void*, int64_t, int64_t, float, const Key&, uint8_t*) {}
+void ternarize_avx512(int, const void*, int64_t, int64_t, const float*, int64_t, const Key&, uint8_t*) {}
 void decode_avx512(int, const uint8_t* const*, const float*, int, float, int64_t, int64_t, float*, uint32_t&) {}
 }  // namespace tg
 

@@ -194,12 +194,15 @@ inline uint8_t code_of(float x, float scaler_2m17, uint32_t half) {
   return std::signbit(x) ? 2 : 1;
 }
 
-// Scalar path for elements [b, e), b a multiple of 8. Writes bytes b/4 .. ceil(e/4).
+// Scalar path for elements [b, e), b a multiple of 8; element i with scalers[i / block] (block a power of two
+// >= 8). Writes bytes b/4 .. ceil(e/4).
 // Philox block j covers elements 8j .. 8j+7; element i uses 16-bit half i % 2 of word (i % 8) / 2.
 template <int DT>
-void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, float scaler, const Key& key,
-                      uint8_t* out) {
+void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, const float* scalers, int64_t block,
+                      const Key& key, uint8_t* out) {
+  const int shift = __builtin_ctzll((uint64_t)block);
   for (int64_t j = b / 8; 8 * j < e; ++j) {
+    const float scaler = scalers[(8 * j) >> shift];
     const uint32_t ctr[4] = {(uint32_t)j, (uint32_t)((uint64_t)j >> 32 & 0xffffu) | key.c1_hi, key.tensor_id,
                              key.step};
     uint32_t r[4];
@@ -257,7 +260,8 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m25
 // Elements [b, e) with b and e multiples of 64: eight Philox blocks (one per lane) per iteration.
 template <int DT>
 __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem<DT>::T* x, int64_t b, int64_t e,
-                                                             float scaler, const Key& key, uint8_t* out) {
+                                                             const float* scalers, int64_t block, const Key& key,
+                                                             uint8_t* out) {
   const __m256i M0 = _mm256_set1_epi32((int)TG_PHILOX_M0), M1 = _mm256_set1_epi32((int)TG_PHILOX_M1);
   __m256i K0[10], K1[10];
   for (int r = 0; r < 10; ++r) {
@@ -266,10 +270,11 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
   }
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i C2 = _mm256_set1_epi32((int)key.tensor_id), C3 = _mm256_set1_epi32((int)key.step);
-  const __m256 vs17 = _mm256_set1_ps(scaler * 0x1p-17f);
   const __m256i one = _mm256_set1_epi32(1);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const int shift = __builtin_ctzll((uint64_t)block);  // block: a power of two (a 64-bit division is slow)
   for (int64_t i = b; i < e; i += 64) {
+    const __m256 vs17 = _mm256_set1_ps(scalers[i >> shift] * 0x1p-17f);  // 64 elements lie in one block
     const uint64_t j0 = (uint64_t)i / 8;  // multiple of 8: j0 lo + 7 never carries
     __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j0), lane);
     __m256i c1 = _mm256_set1_epi32((int)((uint32_t)(j0 >> 32 & 0xffffu) | key.c1_hi));
@@ -311,9 +316,8 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
 }
 #endif
 
-// Elements [0, n) with scaler scalers[i / block] for element i (block: a multiple of 64, or >= n for one
-// scaler). Work items are kChunk elements; inside one, each run of elements under one scaler goes to the
-// widest SIMD path, and only the tensor's last elements (past a multiple of 64) to the scalar path.
+// Elements [0, n), element i with scalers[i / block] (block: a power of two >= 64; kOneBlock for one scaler), in
+// work items of kChunk elements; only the tensor's last elements (past a multiple of 64) take the scalar path.
 template <int DT>
 void ternarize_impl(const void* xv, int64_t n, const float* scalers, int64_t block, const Key& key, uint8_t* out,
                     int nthreads) {
@@ -322,23 +326,18 @@ void ternarize_impl(const void* xv, int64_t n, const float* scalers, int64_t blo
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
-    const int64_t e_all = std::min(n, ce * kChunk);
-    for (int64_t b = cb * kChunk; b < e_all;) {
-      const int64_t blk = b / block, e = std::min(e_all, (blk + 1) * block);
-      const float scaler = scalers[blk];
-      int64_t mid = b;
+    const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
+    int64_t mid = b;
 #if TG_X86
-      if (avx512) {
-        mid = b + (e - b) / 64 * 64;
-        tg::ternarize_avx512(DT, x, b, mid, scaler, key, out);
-      } else if (avx2) {
-        mid = b + (e - b) / 64 * 64;
-        ternarize_avx2<DT>(x, b, mid, scaler, key, out);
-      }
-#endif
-      if (mid < e) ternarize_scalar<DT>(x, mid, e, scaler, key, out);
-      b = e;
+    if (avx512) {
+      mid = b + (e - b) / 64 * 64;
+      tg::ternarize_avx512(DT, x, b, mid, scalers, block, key, out);
+    } else if (avx2) {
+      mid = b + (e - b) / 64 * 64;
+      ternarize_avx2<DT>(x, b, mid, scalers, block, key, out);
     }
+#endif
+    if (mid < e) ternarize_scalar<DT>(x, mid, e, scalers, block, key, out);
   });
 }
 
@@ -411,6 +410,9 @@ void decode_block(int nranks, const uint8_t* const* codes, const float* weights,
     std::memcpy(out + start, acc, sizeof(float) * len);
   }
 }
+
+// The block of a tensor with one scaler: a power of two beyond any n (n < 2^50).
+constexpr int64_t kOneBlock = int64_t(1) << 50;
 
 bool block_ok(int64_t block) { return block >= 64 && block <= (int64_t(1) << 30) && (block & (block - 1)) == 0; }
 
@@ -496,7 +498,7 @@ int tg_stats(int dtype, const void* x, int64_t n, int nthreads, double out[4]) {
 
 int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_t seed, uint32_t step,
                       uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
-  return ternarize_entry(dtype, x, n, &scaler, n > 0 ? n : 1, seed, step, rank, tensor_id, out, nthreads);
+  return ternarize_entry(dtype, x, n, &scaler, kOneBlock, seed, step, rank, tensor_id, out, nthreads);
 }
 
 int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
@@ -507,7 +509,7 @@ int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* s
 
 int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
                   float* out, int nthreads) {
-  return decode_impl(nranks, codes, scalers, shared, n, n > 0 ? n : 1, out, nthreads);
+  return decode_impl(nranks, codes, scalers, shared, n, kOneBlock, out, nthreads);
 }
 
 int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,

@@ -32,8 +32,10 @@ struct CodeLut {
 // AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
 bool avx512_usable();
 
-// Elements [b, e) of x, b and e multiples of 64; writes bytes b/4 .. e/4 of out.
-void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, float scaler, const Key& key, uint8_t* out);
+// Elements [b, e) of x, b and e multiples of 64, element i with scalers[i / block] (block a power of two >= 64);
+// writes bytes b/4 .. e/4 of out.
+void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, const float* scalers, int64_t block,
+                      const Key& key, uint8_t* out);
 
 // Statistics of elements [0, n) of the block starting at x (any n), shifted by x0.
 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0);

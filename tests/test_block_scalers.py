@@ -187,3 +187,21 @@ def test_a_nan_on_one_rank_is_reported_with_block_scalers():
     engines, items, _ = _exchange(2, g, block_size=64)
     for e, it in zip(engines, items):
         assert e.nonfinite(it)[0].nonfinite_rank == 1
+
+
+def test_block_scalers_benchmark_smoke():
+    """benchmarks/block_scalers.py on the digits CNN, 2 workers: per-tensor clipping keeps one worker's bias
+    (shared, a block's Max may clip a little more) and lowers the error; the table and the timing come out."""
+    from benchmarks import block_scalers as bs
+
+    rows = bs.error_table(["digits"], 2, [64])
+    get = {(r["workers"], r["rule"], r["block"]): r for r in rows}
+    for n in (1, 2):
+        paper, ours = get[(n, "tensor-clip", None)], get[(n, "tensor-clip", 64)]
+        assert ours["bias2"] == pytest.approx(paper["bias2"], rel=1e-9 if n == 1 else 0.05)
+        assert ours["error"] < paper["error"]
+        assert get[(n, "noclip", 64)]["bias2"] == 0
+        assert get[(n, "noclip", 64)]["error"] < get[(n, "noclip", None)]["error"]
+    times = bs.encode_times([64], n=1 << 16, repeats=1)
+    assert {(r["threads"], r["block"]) for r in times} == {(1, None), (1, 64), (2, None), (2, 64)}
+    assert "| digits | 2 | tensor-clip |" in bs.markdown(rows, times, 2, [64])

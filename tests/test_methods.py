@@ -14,6 +14,8 @@ from hvd_terngrad.transports import TRANSPORTS, choose_transport
     ("terngrad:stock:summed", "terngrad:summed:stock", True, {"transport": "summed"}),
     ("terngrad:ef:noclip", "terngrad:noclip:ef", False,
      {"clip": 0.0, "error_feedback": True, "transport": "allgather"}),
+    ("terngrad:block256:sharded:noclip", "terngrad:sharded:noclip:block256", False,
+     {"clip": 0.0, "transport": "sharded", "block_size": 256}),
 ])
 def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options):
     m = parse_method(text)
@@ -24,9 +26,9 @@ def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options
 
 
 @pytest.mark.parametrize("text", ["fp8", "fp32:summed", "terngrad:bogus", "terngrad:summed:summed-int8",
-                                  "terngrad:ef:ef"])
+                                  "terngrad:ef:ef", "terngrad:block100", "terngrad:block64:block128"])
 def test_bad_method_names_say_what_is_allowed(text):
-    with pytest.raises(ValueError, match="method|starts with"):
+    with pytest.raises(ValueError, match="method|starts with|block_size"):
         parse_method(text)
 
 

@@ -139,8 +139,10 @@ def block_absmax(x: torch.Tensor, block_size: int, backend: str = "auto", nthrea
 def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
     if scalers.dtype != torch.float32 or tuple(scalers.shape) != shape:
         raise ValueError(f"block scalers must be fp32 of shape {shape}, got {scalers.dtype} {tuple(scalers.shape)}")
-    if scalers.numel() and not bool(((scalers >= 0) & (scalers < float("inf"))).all()):
-        raise ValueError("block scalers must be finite and >= 0")
+    if scalers.numel():
+        lo, hi = torch.aminmax(scalers)
+        if not (float(lo) >= 0 and float(hi) < float("inf")):  # NaN fails both
+            raise ValueError("block scalers must be finite and >= 0")
     return scalers.contiguous()
 
 
