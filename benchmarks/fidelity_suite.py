@@ -3,6 +3,7 @@
     python -m benchmarks.fidelity_suite                        # every task, 2/8/32 workers, every method, 3 seeds
     python -m benchmarks.fidelity_suite --smoke                # CI's slice: one seed, few steps
     python -m benchmarks.fidelity_suite --tasks lenet --workers 8 --methods fp32,terngrad --seeds 0,1,2
+    python -m benchmarks.fidelity_suite --jobs 2                # two runs at a time (one core each)
 
 Workers are simulated in one process (benchmarks/simulator.py, held bit-identical to real jobs by
 tests/test_simulator.py): every step, each worker's gradient of its own batch, then the exchange of
@@ -287,6 +288,31 @@ def plot(runs: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
+_DATA: dict[str, Data] = {}
+
+
+def _one(job) -> dict:
+    task, n, method, seed, steps_cap = job
+    torch.set_num_threads(1)
+    if task not in _DATA:  # each process loads a task's data once
+        _DATA[task] = Data(TASKS[task])
+    return train(_DATA[task], method, n, seed, steps_cap)
+
+
+def _runs(todo: list, jobs: int):
+    """The runs' results as they finish: in order in this process, or from `jobs` processes (a run's result
+    does not depend on which process trains it)."""
+    if jobs <= 1:
+        yield from map(_one, todo)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for fut in as_completed([pool.submit(_one, job) for job in todo]):
+            yield fut.result()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default=",".join(TASKS))
@@ -296,6 +322,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CI's slice: one seed, 2 workers, a few steps per run")
     ap.add_argument("--out", default="results/fidelity_suite")
     ap.add_argument("--append", action="store_true", help="add to the runs already in --out (the report covers all)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one core each")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     steps_cap = 6 if args.smoke else None
@@ -304,16 +331,15 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = json.loads((out / "fidelity_suite.json").read_text()) if args.append else []
-    for task in args.tasks.split(","):
-        data = Data(TASKS[task])
-        for n in workers:
-            for method in args.methods.split(","):
-                for seed in seeds:
-                    r = train(data, method, n, seed, steps_cap)
-                    runs.append(r)
-                    print(f"{task:>7} N={n:<3} {method:<26} seed {seed}: {r['final']:.2f} "
-                          f"({r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
-                    (out / "fidelity_suite.json").write_text(json.dumps(runs))
+    todo = [(task, n, method, seed, steps_cap) for task in args.tasks.split(",") for n in workers
+            for method in args.methods.split(",") for seed in seeds]
+    for method in {t[2] for t in todo}:
+        parse_method(method)  # a bad name fails now, not after an hour of runs
+    for r in _runs(todo, args.jobs):
+        runs.append(r)
+        print(f"{r['task']:>7} N={r['workers']:<3} {r['method']:<26} seed {r['seed']}: {r['final']:.2f} "
+              f"({r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
+        (out / "fidelity_suite.json").write_text(json.dumps(runs))
     text = table(summarize(runs))
     (out / "fidelity_suite.md").write_text(text + "\n")
     plot(runs, out)

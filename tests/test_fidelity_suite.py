@@ -6,7 +6,7 @@ from benchmarks import fidelity_suite
 
 
 def test_smoke_slice_runs_every_task_and_method(tmp_path):
-    assert fidelity_suite.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert fidelity_suite.main(["--smoke", "--jobs", "2", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "fidelity_suite.json").read_text())
     assert {(r["task"], r["method"]) for r in runs} == {(t, m) for t in fidelity_suite.TASKS
                                                          for m in fidelity_suite.METHODS}
