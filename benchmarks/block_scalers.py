@@ -13,7 +13,7 @@ Rules compared, each per tensor and per block of k elements:
   block-clip    s_b = min(c std(block), max_b|g|)    the alternative: clipping decided block by block
   no clip       s_b = max_b|g|                       unbiased
 Bytes: what a worker hands the collectives per coded element: 2-bit codes plus 4 bytes a block in the Max
-allreduce. Time: the CPU codec's encode of one 4M-element fp32 tensor (moments, block maxima, coding), median
+allreduce. Time: the CPU codec's encode of one 4M-element fp32 tensor (statistics with block maxima, coding), median
 of repeats, per-tensor and block scalers side by side in one run.
 """
 from __future__ import annotations
@@ -127,8 +127,8 @@ def encode_times(blocks: list[int], n: int = 1 << 22, repeats: int = 15) -> list
             codec.ternarize_pack(x, TernGradConfig().scaler(st), key, out=out, nthreads=nt)
 
         def per_block(k, nt=nt):
-            st = codec.moments(x, nthreads=nt)
-            s = TernGradConfig(block_size=k).block_scalers(st, codec.block_absmax(x, k, nthreads=nt))
+            st, absmax = codec.moments_blocks(x, k, nthreads=nt)
+            s = TernGradConfig(block_size=k).block_scalers(st, absmax)
             codec.ternarize_pack_blocks(x, s, k, key, out=out, nthreads=nt)
 
         cands = [(None, per_tensor)] + [(k, lambda k=k: per_block(k)) for k in blocks]

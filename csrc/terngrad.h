@@ -63,6 +63,10 @@ int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* s
 // Per block of `block` elements, max|x| with NaN ignored, exact in double: out[ceil(n / block)].
 int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads);
 
+// tg_stats and tg_block_absmax from one read of x (a block is read again while it is in cache).
+int tg_stats_blocks(int dtype, const void* x, int64_t n, int64_t block, int nthreads, double out[4],
+                    double* block_max);
+
 // Sharded transport, an owner's step (docs/wire-format.md, section 10): the per-element sums over nranks
 // shards of shard_bytes packed codes, written as sum + nranks in 4, 8 or 16 bits (nranks <= 7, 127, 32767),
 // little-endian, into out (shard_bytes * bits / 2 bytes). Returns TG_OK, 1 if a code is the invalid 0b11.

@@ -179,6 +179,21 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
   }
 }
 
+TG_AVX512 void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out) {
+  for (int64_t b0 = lo; b0 < hi; b0 += block) {
+    const int64_t e = b0 + block < n ? b0 + block : n;
+    __m512 m = _mm512_setzero_ps();
+    int64_t i = b0;
+    for (; i + 16 <= e; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);  // NaN: keeps m
+    float r = _mm512_reduce_max_ps(m);
+    for (; i < e; ++i) {
+      const float a = x[i] < 0 ? -x[i] : x[i];
+      r = a > r ? a : r;
+    }
+    out[b0 / block] = r;
+  }
+}
+
 // The "plus" (code 0b01) and "minus" (0b10) bits of 64 elements: 16 code bytes through pext.
 TG_AVX512 inline void code_masks(const uint8_t* bytes, uint64_t& plus, uint64_t& minus) {
   const uint64_t EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
@@ -239,6 +254,7 @@ bool avx512_usable() { return false; }
 StatPartial stats_block_avx512(int, const void*, int64_t, double) { return StatPartial(); }
 void ternarize_avx512(int, const void*, int64_t, int64_t, const float*, int64_t, const Key&, uint8_t*) {}
 void decode_avx512(int, const uint8_t* const*, const float*, int, float, int64_t, int64_t, float*, uint32_t&) {}
+void block_max_f32_avx512(const float*, int64_t, int64_t, int64_t, int64_t, double*) {}
 }  // namespace tg
 
 #endif

@@ -146,8 +146,55 @@ int simd_level() { return std::min(detected_level(), g_max_level.load(std::memor
 bool has_avx2() { return simd_level() >= 2; }
 bool has_avx512() { return simd_level() >= 3; }
 
+// max|x| (NaN ignored) of each block of `block` elements that starts in [lo, hi), lo a multiple of block, into
+// out[lo / block ..]; in double, exact for every input type (all but fp64 compare in fp32, exactly).
 template <int DT>
-void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
+void block_max_range(const typename Elem<DT>::T* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out) {
+#if TG_X86
+  if constexpr (DT == TG_F32) {
+    if (has_avx512()) return tg::block_max_f32_avx512(x, lo, hi, n, block, out);
+  }
+#endif
+  for (int64_t b0 = lo; b0 < hi; b0 += block) {
+    const int64_t e = std::min(n, b0 + block);
+    double md = 0;
+    if (DT == TG_F64) {
+      for (int64_t i = b0; i < e; ++i) {
+        const double a = std::fabs(Elem<DT>::d(x, i));
+        md = a > md ? a : md;
+      }
+    } else {
+      float m[kLanes] = {0};
+      int64_t i = b0;
+      for (; i + kLanes <= e; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) {
+          const float a = std::fabs(Elem<DT>::f(x, i + l));
+          m[l] = a > m[l] ? a : m[l];
+        }
+      for (; i < e; ++i) {
+        const float a = std::fabs(Elem<DT>::f(x, i));
+        m[0] = a > m[0] ? a : m[0];
+      }
+      for (int l = 0; l < kLanes; ++l) md = m[l] > md ? m[l] : md;
+    }
+    out[b0 / block] = md;
+  }
+}
+
+template <int DT>
+void block_absmax_impl(const void* xv, int64_t n, int64_t block, double* out, int nthreads) {
+  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  const int64_t nblocks = (n + block - 1) / block;
+  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
+    block_max_range<DT>(x, bb * block, std::min(n, be * block), n, block, out);
+  });
+}
+
+// With block_max: also max|x| per block of `block` elements (a power of two), from the same pass: blocks up to
+// kStatBlock are read again while their chunk is in cache, larger ones take their chunks' maxima.
+template <int DT>
+void stats_impl(const void* xv, int64_t n, int nthreads, double out[4], int64_t block = 0,
+                double* block_max = nullptr) {
   const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
   out[0] = out[1] = out[2] = out[3] = 0;
   if (n <= 0) return;
@@ -165,8 +212,16 @@ void stats_impl(const void* xv, int64_t n, int nthreads, double out[4]) {
 #else
       parts[i] = stats_block<DT>(x + off, len, x0);
 #endif
+      if (block_max && block <= kStatBlock) block_max_range<DT>(x, off, off + len, n, block, block_max);
     }
   });
+  if (block_max && block > kStatBlock) {
+    std::fill(block_max, block_max + (n + block - 1) / block, 0.0);
+    for (int64_t i = 0; i < nblocks; ++i) {
+      double& m = block_max[i * kStatBlock / block];
+      m = parts[i].absmax > m ? parts[i].absmax : m;
+    }
+  }
   Partial t;
   for (const auto& p : parts) {
     t.sum += p.sum;
@@ -341,39 +396,6 @@ void ternarize_impl(const void* xv, int64_t n, const float* scalers, int64_t blo
   });
 }
 
-// Per block of `block` elements, max|x| (NaN ignored), in double: exact for every input type.
-template <int DT>
-void block_absmax_impl(const void* xv, int64_t n, int64_t block, double* out, int nthreads) {
-  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
-  const int64_t nblocks = (n + block - 1) / block;
-  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
-    for (int64_t k = bb; k < be; ++k) {
-      const int64_t lo = k * block, hi = std::min(n, lo + block);
-      float m[kLanes] = {0};  // every input type widens exactly to fp32 but fp64
-      double md = 0;
-      if (DT == TG_F64) {
-        for (int64_t i = lo; i < hi; ++i) {
-          const double a = std::fabs(Elem<DT>::d(x, i));
-          md = a > md ? a : md;
-        }
-      } else {
-        int64_t i = lo;
-        for (; i + kLanes <= hi; i += kLanes)
-          for (int l = 0; l < kLanes; ++l) {
-            const float a = std::fabs(Elem<DT>::f(x, i + l));
-            m[l] = a > m[l] ? a : m[l];
-          }
-        for (; i < hi; ++i) {
-          const float a = std::fabs(Elem<DT>::f(x, i));
-          m[0] = a > m[0] ? a : m[0];
-        }
-        for (int l = 0; l < kLanes; ++l) md = m[l] > md ? m[l] : md;
-      }
-      out[k] = md;
-    }
-  });
-}
-
 // ------------------------------------------------------------------------------------------------
 // Decode: a 256-entry table turns one byte into its four values.
 const tg::CodeLut<float> kLut;
@@ -516,6 +538,18 @@ int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* s
                          int64_t block, float* out, int nthreads) {
   if (!block_ok(block)) return TG_EINVAL;
   return decode_impl(nranks, codes, scalers, shared, n, block, out, nthreads);
+}
+
+int tg_stats_blocks(int dtype, const void* x, int64_t n, int64_t block, int nthreads, double out[4],
+                    double* block_max) {
+  if (n < 0 || (n > 0 && (!x || !block_max)) || !out || !block_ok(block)) return TG_EINVAL;
+  switch (dtype) {
+    case TG_F32: stats_impl<TG_F32>(x, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_F64: stats_impl<TG_F64>(x, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_F16: stats_impl<TG_F16>(x, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_BF16: stats_impl<TG_BF16>(x, n, nthreads, out, block, block_max); return TG_OK;
+    default: return TG_EDTYPE;
+  }
 }
 
 int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads) {

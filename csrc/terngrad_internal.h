@@ -45,4 +45,8 @@ StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0);
 void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights, int shared, float post,
                    int64_t start, int64_t len, float* out, uint32_t& bad);
 
+// max|x| (NaN ignored) of each block of `block` fp32 elements starting in [lo, hi) (lo a multiple of block) into
+// out[lo / block ..].
+void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out);
+
 }  // namespace tg

@@ -97,14 +97,13 @@ class TernGradEngine:
                 flat = flat + self.residuals[name]
             elif not flat.is_contiguous():
                 flat = flat.contiguous()
-            st = codec.moments(flat, backend=cfg.backend, nthreads=cfg.num_threads)
-            bad = st.nonfinite > 0
             scalers = None
             if cfg.block_size:
-                k = cfg.block_size
-                scalers = (torch.zeros(codec.num_blocks(flat.numel(), k)) if bad else
-                           cfg.block_scalers(st, codec.block_absmax(flat, k, backend=cfg.backend,
-                                                                    nthreads=cfg.num_threads).cpu()))
+                st, absmax = codec.moments_blocks(flat, cfg.block_size, backend=cfg.backend, nthreads=cfg.num_threads)
+                scalers = torch.zeros(absmax.numel()) if st.nonfinite else cfg.block_scalers(st, absmax.cpu())
+            else:
+                st = codec.moments(flat, backend=cfg.backend, nthreads=cfg.num_threads)
+            bad = st.nonfinite > 0
         scaler = 0.0 if bad else cfg.scaler(st) if scalers is None else float(scalers.max()) if len(scalers) else 0.0
         return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),

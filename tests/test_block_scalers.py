@@ -34,13 +34,16 @@ def test_golden_vectors_v2(case, backend):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,block", [(1, 64), (63, 64), (64, 64), (1000, 256), (70_001, 4096), (300_001, 65536),
-                                     (300_001, 64)])
+                                     (300_001, 64), (300_001, 1 << 17)])
 def test_cpu_matches_reference_bit_for_bit(dtype, n, block, simd):  # noqa: F811
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g, dtype=torch.float64) * torch.linspace(1e-3, 1, n, dtype=torch.float64)).to(dtype)
     x[n // 2] = float("nan")  # ignored by the block maxima, never kept
     absmax = codec.block_absmax(x, block, backend="cpu")
     assert torch.equal(absmax, reference.block_absmax(x, block))
+    for nt in (1, 3):  # with the statistics, from one pass
+        st, fused = codec.moments_blocks(x, block, backend="cpu", nthreads=nt)
+        assert torch.equal(fused, absmax) and repr(st) == repr(codec.moments(x, backend="cpu", nthreads=nt))
     scalers = (absmax * 0.7).float()
     key = codec.RngKey(2**40 + 3, 11, 5, 0xABCDEF01)
     a = codec.ternarize_pack_blocks(x, scalers, block, key, backend="cpu", nthreads=1)

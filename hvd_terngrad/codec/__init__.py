@@ -136,6 +136,17 @@ def block_absmax(x: torch.Tensor, block_size: int, backend: str = "auto", nthrea
     return reference.block_absmax(x, block_size).to(x.device)
 
 
+def moments_blocks(x: torch.Tensor, block_size: int, backend: str = "auto",
+                   nthreads: int | None = None) -> tuple[Moments, torch.Tensor]:
+    """moments(x) and block_absmax(x, block_size) together: one pass over x on the CPU backend."""
+    check_block_size(block_size)
+    x = _flat(x)
+    if resolve_backend(x, backend) == "cpu":
+        absmax = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float64)
+        return Moments(*cpu.moments_blocks(x, block_size, absmax, nthreads)), absmax
+    return moments(x, backend, nthreads), block_absmax(x, block_size, backend, nthreads)
+
+
 def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
     if scalers.dtype != torch.float32 or tuple(scalers.shape) != shape:
         raise ValueError(f"block scalers must be fp32 of shape {shape}, got {scalers.dtype} {tuple(scalers.shape)}")

@@ -58,6 +58,8 @@ def _load():
     lib.tg_decode_sum_blocks.argtypes = [ctypes.c_int, ctypes.POINTER(vp), vp, ctypes.c_int, i64, i64, vp,
                                          ctypes.c_int]
     lib.tg_decode_sum_blocks.restype = ctypes.c_int
+    lib.tg_stats_blocks.argtypes = [ctypes.c_int, vp, i64, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double), vp]
+    lib.tg_stats_blocks.restype = ctypes.c_int
     lib.tg_block_absmax.argtypes = [ctypes.c_int, vp, i64, i64, vp, ctypes.c_int]
     lib.tg_block_absmax.restype = ctypes.c_int
     lib.tg_sum_shards.argtypes = [ctypes.c_int, ctypes.POINTER(vp), i64, vp, ctypes.c_int]
@@ -158,6 +160,16 @@ def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared:
                                   nthreads or default_threads())
     _check(rc, "decode_mean (block scalers)")
     return rc == 0
+
+
+def moments_blocks(x: torch.Tensor, block: int, absmax: torch.Tensor,
+                   nthreads: int | None = None) -> tuple[float, float, float, int]:
+    """moments() and block_absmax() into `absmax` (fp64) from one pass over x."""
+    lib = _lib_or_raise()
+    out = (ctypes.c_double * 4)()
+    _check(lib.tg_stats_blocks(_DTYPES[x.dtype], x.data_ptr(), x.numel(), block, nthreads or default_threads(), out,
+                               absmax.data_ptr()), "moments (block scalers)")
+    return out[0], out[1], out[2], int(out[3])
 
 
 def block_absmax(x: torch.Tensor, block: int, out: torch.Tensor, nthreads: int | None = None) -> None:
