@@ -261,9 +261,9 @@ def _measure_sharded_codec(tname: str, engines: list, reps: int) -> dict:
         for e in engines:  # every rank's stream, with the shared scaler of the same gradient
             items = [e.prepare("cal", grad)]
             plans.append((items, t.encode(e, items)))
-        shards = torch.stack([p.stream.view(n, -1)[rank] for _, p in plans])
-        replies = torch.cat([t.owner_reply(torch.stack([p.stream.view(n, -1)[o] for _, p in plans]), plans[o][1], o,
-                                            n, "cal") for o in range(n)])
+        payloads = [p for _, p in plans]
+        shards = t.owner_rows(payloads, rank)
+        replies = torch.cat([t.owner_reply(t.owner_rows(payloads, o), payloads[o], o, n, "cal") for o in range(n)])
         enc, own, dec = [], [], []
         for i in range(reps + 1):
             hvd.barrier()

@@ -86,10 +86,7 @@ class SimulatedWorkers:
         payloads = [t.encode(e, it) for e, it in zip(self.engines, items)]
         key = f"bucket.{k}"  # the optimizer's name of the group, which keys an owner's draw
         if isinstance(t, Sharded):
-            shard = payloads[0].stream.numel() // n
-            received = torch.cat([
-                t.owner_reply(torch.stack([p.stream[j * shard: (j + 1) * shard] for p in payloads]), payloads[j],
-                               j, n, key) for j in range(n)])
+            received = torch.cat([t.owner_reply(t.owner_rows(payloads, j), payloads[j], j, n, key) for j in range(n)])
         elif isinstance(t, Summed):  # integers: exact in the payload's dtype, whatever the order
             received = torch.stack(payloads).sum(dim=0, dtype=payloads[0].dtype)
         elif isinstance(t, Allgather):

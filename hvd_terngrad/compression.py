@@ -98,12 +98,12 @@ class TernGrad(Compressor):
                 topo = self._hierarchy.topology
                 self._engine = TernGradEngine(self.config, topo.node, topo.nodes)
                 t = self._hierarchy.cross or t  # one node: nothing is coded
-                for c in (self._hierarchy.local, self._hierarchy.cross):
-                    if c is not None:
-                        c.stats = self._engine.stats
             else:
                 self._engine = TernGradEngine(self.config, t.rank, t.size)
-            self._world.stats = t.stats = self._engine.stats
+            hier = (self._hierarchy.local, self._hierarchy.cross) if self._hierarchy else ()
+            for c in (self._world, t, *hier):  # every collective counts its traffic into the engine's stats
+                if c is not None:
+                    c.stats = self._engine.stats
             self._comm = t
         return self._engine
 

@@ -197,6 +197,13 @@ class Sharded(Transport):
         self.advance(comm, handle, what, block=True)
         return comm.wait(handle.gather, f"the reply allgather of {what}")
 
+    @staticmethod
+    def owner_rows(plans: list, owner: int) -> torch.Tensor:
+        """What owner `owner` receives from the alltoall, given every rank's payload (in rank order): shard
+        `owner` of each rank's stream, one row a rank. (For the simulator and the calibration, which play the
+        alltoall in one process.)"""
+        return torch.stack([p.stream.view(len(plans), -1)[owner] for p in plans])
+
     def owner_reply(self, shards, plan, owner, n, key):
         """What owner `owner` sends back for its shard, from every rank's piece of it (`shards`: one row a
         rank, in rank order; `plan`: the owner's own payload): the packed sums."""
