@@ -104,7 +104,12 @@ class TernGradEngine:
             else:
                 st = codec.moments(flat, backend=cfg.backend, nthreads=cfg.num_threads)
             bad = st.nonfinite > 0
-        scaler = 0.0 if bad else cfg.scaler(st) if scalers is None else float(scalers.max()) if len(scalers) else 0.0
+        if bad:
+            scaler = 0.0
+        elif scalers is None:
+            scaler = cfg.scaler(st)
+        else:  # the tensor's entry in the scaler vector: its largest block scaler
+            scaler = float(scalers.max()) if scalers.numel() else 0.0
         return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
                     scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
@@ -174,8 +179,8 @@ class TernGradEngine:
         total = self.payload_size(items)
         dev = device or (items[0].flat.device if items else torch.device("cpu"))
         with self.stats.timed("encode"):
-            payload = torch.zeros(total, dtype=torch.uint8, device=dev) if block else torch.empty(
-                total, dtype=torch.uint8, device=dev)
+            # version 2 pads after the scalers as well as after the codes: zero it all up front
+            payload = (torch.zeros if block else torch.empty)(total, dtype=torch.uint8, device=dev)
             off = 0
             for it in items:
                 it.offset = off
@@ -204,13 +209,13 @@ class TernGradEngine:
             return 0
         return wire.block_scalers_size(it.numel, self.config.block_size)
 
-    def codes(self, it: Item, out: torch.Tensor | None = None, scaler=None, key=None) -> torch.Tensor:
+    def codes(self, it: Item, out: torch.Tensor | None = None) -> torch.Tensor:
         """it's packed codes (into out), with its scaler or block scalers."""
         cfg = self.config
         if it.scalers is not None:
-            return codec.ternarize_pack_blocks(it.flat, it.scalers, cfg.block_size, key or self.key(it), out=out,
+            return codec.ternarize_pack_blocks(it.flat, it.scalers, cfg.block_size, self.key(it), out=out,
                                                backend=cfg.backend, nthreads=cfg.num_threads)
-        return codec.ternarize_pack(it.flat, it.scaler, key or self.key(it), out=out, backend=cfg.backend,
+        return codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=out, backend=cfg.backend,
                                     nthreads=cfg.num_threads)
 
     def _code_into(self, it: Item, codes: torch.Tensor) -> None:
@@ -407,8 +412,9 @@ class TernGradEngine:
         nb = codec.num_blocks(it.numel, self.config.block_size)
         rows = torch.stack([gathered[s: s + 4 * nb] for s in starts]).cpu().contiguous()
         scalers = rows.view(torch.float32).reshape(self.size, nb)
-        if not bool(((scalers >= 0) & (scalers < float("inf"))).all()):
-            r = int((~((scalers >= 0) & (scalers < float("inf")))).any(dim=1).nonzero()[0])
+        ok = (scalers >= 0) & (scalers < float("inf"))  # NaN fails
+        if not bool(ok.all()):
+            r = int((~ok).any(dim=1).nonzero()[0])
             raise PayloadMismatchError(f"hvd_terngrad: tensor {it.name!r}: the record from rank {r} holds a block "
                                        f"scaler that is negative, NaN or Inf (checked on rank {self.rank})")
         return scalers
