@@ -19,7 +19,7 @@ coding, c = 2.5. Each worker's batch stays the same at every N (the global batch
 paper. Batch norm keeps one set of running statistics, updated by every worker's batch in turn.
 
 Writes --out/fidelity_suite.json (every run's final metric and curve), fidelity_suite.md (mean, spread
-and gap to FP32 per task and N) and one learning-curve PNG per task.
+and gap to FP32 per task and N, the gap over the seeds both ran) and one learning-curve PNG per task.
 """
 from __future__ import annotations
 
@@ -301,13 +301,16 @@ def summarize(runs: list[dict]) -> list[dict]:
     keys = sorted({(r["task"], r["workers"], r["method"]) for r in runs},
                   key=lambda k: (k[0], k[1], METHODS.index(k[2]) if k[2] in METHODS else 99))
     for task, n, method in keys:
-        vals = [r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)]
-        base = [r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, "fp32")]
+        finals = {r["seed"]: r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)}
+        base = {r["seed"]: r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, "fp32")}
+        vals = list(finals.values())
         mean = statistics.mean(vals)
         gap = None
-        if base:
-            b = statistics.mean(base)
-            gap = mean - b if TASKS[task].metric == "acc" else 100.0 * (mean / b - 1)  # pp, or % of bpc
+        paired = sorted(finals.keys() & base.keys())  # a seed fixes the initialization and the batches: compare
+        if paired:                                      # a method with FP32 on the seeds both ran
+            m = statistics.mean(finals[s] for s in paired)
+            b = statistics.mean(base[s] for s in paired)
+            gap = m - b if TASKS[task].metric == "acc" else 100.0 * (m / b - 1)  # pp, or % of bpc
         rows.append({"task": task, "workers": n, "method": method, "mean": mean, "min": min(vals), "max": max(vals),
                      "seeds": len(vals), "gap": gap})
     return rows
