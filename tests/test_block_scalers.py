@@ -208,3 +208,9 @@ def test_block_scalers_benchmark_smoke():
     times = bs.encode_times([64], n=1 << 16, repeats=1)
     assert {(r["threads"], r["block"]) for r in times} == {(1, None), (1, 64), (2, None), (2, 64)}
     assert "| digits | 2 | tensor-clip |" in bs.markdown(rows, times, 2, [64])
+
+
+def test_the_recommended_configuration():
+    cfg = TernGradConfig.recommended(seed=3)
+    assert (cfg.clip, cfg.error_feedback, cfg.block_size, cfg.seed) == (0.0, True, 64, 3)
+    assert TernGradConfig.recommended(block_size=256).block_size == 256
