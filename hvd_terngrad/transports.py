@@ -292,7 +292,7 @@ def _ternary_owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, 
     shard = shards.shape[1]
     sums = codec.sum_code_shards(shards, n, backend=cfg.backend, nthreads=cfg.num_threads)
     avg = plan.averages.zero_()
-    base, valid = 4 * shard * owner, []
+    base, spans = 4 * shard * owner, []  # where the shard's tensor elements lie in avg: [lo, hi), merged
     for start, numel, scaler, scalers in plan.segments:  # the shard's pieces of each tensor; padding stays 0
         lo, hi = max(start, base), min(start + numel, base + 4 * shard)
         if lo < hi:
@@ -303,14 +303,18 @@ def _ternary_owner_reply(shards: torch.Tensor, plan: _Plan, owner: int, n: int, 
             else:
                 codec.decode_packed_sums_blocks(sums, n, lo - base, hi - lo, scalers, cfg.block_size, first=lo - start,
                                                 out=piece, backend=cfg.backend, nthreads=cfg.num_threads)
-            valid.append(piece)
+            if spans and spans[-1][1] == lo - base:
+                spans[-1][1] = hi - base
+            else:
+                spans.append([lo - base, hi - base])
     kept = plan.residuals.get(key) if cfg.owner_error_feedback else None
     if kept is not None and kept.numel() == avg.numel():  # another layout (world size, bucket): start afresh
         avg += kept
-    if not valid:
+    if not spans:
         moments = codec.Moments(0.0, 0.0, 0.0, 0)
-    else:
-        moments = codec.moments(valid[0] if len(valid) == 1 else torch.cat(valid))
+    else:  # one span unless a tensor's codes ended inside a byte: then a copy of the pieces, padding left out
+        pieces = [avg[lo:hi] for lo, hi in spans]
+        moments = codec.moments(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
     scaler = cfg.scaler(moments)
     rng = codec.RngKey(cfg.seed, plan.step & 0xFFFFFFFF, OWNER_RANK_BASE + owner, tensor_id(f"terngrad.owner.{key}"))
     reply = torch.empty(OWNER_SCALER_BYTES + shard, dtype=torch.uint8, device=shards.device)
