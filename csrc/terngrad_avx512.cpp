@@ -204,6 +204,31 @@ TG_AVX512 inline void code_masks(const uint8_t* bytes, uint64_t& plus, uint64_t&
   minus = _pext_u64(w0, ODD) | _pext_u64(w1, ODD) << 32;
 }
 
+TG_AVX512 void sum_shards_avx512(int nranks, const uint8_t* const* shards, int64_t b0, int64_t nbytes, int bits,
+                                 uint8_t* out, uint32_t& bad) {
+  uint64_t badbits = 0;
+  const __m512i one = _mm512_set1_epi8(1), offset = _mm512_set1_epi8((char)nranks);
+  for (int64_t g = b0; g < b0 + nbytes; g += 16) {  // 16 code bytes: 64 elements, one int8 lane each
+    __m512i acc = _mm512_setzero_si512();
+    for (int r = 0; r < nranks; ++r) {
+      uint64_t p, n;
+      code_masks(shards[r] + g, p, n);
+      badbits |= p & n;
+      acc = _mm512_mask_add_epi8(acc, p, acc, one);
+      acc = _mm512_mask_sub_epi8(acc, n, acc, one);
+    }
+    acc = _mm512_add_epi8(acc, offset);  // sum + N, in [0, 2N]
+    if (bits == 8) {
+      _mm512_storeu_si512(out + 4 * g, acc);
+    } else {  // two a byte, element 2k in the low nibble: a 16-bit lane holds elements 2k (low), 2k+1 (high)
+      const __m512i lo = _mm512_and_si512(acc, _mm512_set1_epi16(0xff));
+      const __m512i nib = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_srli_epi16(acc, 8), 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * g), _mm512_cvtepi16_epi8(nib));
+    }
+  }
+  if (badbits) bad |= 1;
+}
+
 TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights, int shared, float post,
                              int64_t start, int64_t len, float* out, uint32_t& bad) {
   uint64_t badbits = 0;
@@ -255,6 +280,7 @@ StatPartial stats_block_avx512(int, const void*, int64_t, double) { return StatP
 void ternarize_avx512(int, const void*, int64_t, int64_t, const float*, int64_t, const Key&, uint8_t*) {}
 void decode_avx512(int, const uint8_t* const*, const float*, int, float, int64_t, int64_t, float*, uint32_t&) {}
 void block_max_f32_avx512(const float*, int64_t, int64_t, int64_t, int64_t, double*) {}
+void sum_shards_avx512(int, const uint8_t* const*, int64_t, int64_t, int, uint8_t*, uint32_t&) {}
 }  // namespace tg
 
 #endif

@@ -49,4 +49,9 @@ void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights
 // out[lo / block ..].
 void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out);
 
+// An owner's sums (tg_sum_shards) of code bytes [b0, b0 + nbytes), nbytes a multiple of 16, for nranks <= 127
+// (bits 4 or 8), written at their place in out; ORs 1 into bad when a code is 0b11.
+void sum_shards_avx512(int nranks, const uint8_t* const* shards, int64_t b0, int64_t nbytes, int bits, uint8_t* out,
+                       uint32_t& bad);
+
 }  // namespace tg

@@ -1,8 +1,9 @@
 // The sharded transport's two kernels (docs/wire-format.md, section 10): an owner's fused sum and pack of
 // the N ranks' code shards, and the fused unpack and decode of the packed sums into fp32 means.
 //
-// Both work in blocks that keep their int16 accumulators in L1, and both are plain loops over bytes that
-// the compiler vectorizes: the sums are small integers, so no rounding order is at stake.
+// Both work in blocks that keep their int16 accumulators in L1. The sums are small integers, so no rounding
+// order is at stake: up to 127 ranks, AVX-512 adds 64 codes a rank at a time into int8 counters (masks from
+// pext, as the decode); otherwise, and for the last bytes, plain loops over bytes.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -52,11 +53,19 @@ int tg_sum_shards(int nranks, const uint8_t* const* shards, int64_t shard_bytes,
     if (!shards[r]) return TG_EINVAL;
   const int64_t nblocks = (shard_bytes + kBlockBytes - 1) / kBlockBytes;
   std::atomic<uint32_t> bad_all{0};
+  // AVX-512: int8 counters, so up to 127 ranks (4- and 8-bit sums); whole 16-byte groups, the rest below.
+  const bool simd = tg_simd_level() >= 3 && bits <= 8;
   for_blocks(nblocks, shard_bytes >= (int64_t(1) << 16) ? nthreads : 1, [&](int64_t blk) {
     alignas(64) int16_t acc[4 * kBlockBytes];
-    const int64_t b0 = blk * kBlockBytes, nb = std::min(kBlockBytes, shard_bytes - b0);
-    std::memset(acc, 0, sizeof(int16_t) * 4 * nb);
+    int64_t b0 = blk * kBlockBytes, nb = std::min(kBlockBytes, shard_bytes - b0);
     uint32_t bad = 0;
+    if (simd) {
+      const int64_t full = nb / 16 * 16;
+      tg::sum_shards_avx512(nranks, shards, b0, full, bits, out, bad);
+      b0 += full;
+      nb -= full;
+    }
+    std::memset(acc, 0, sizeof(int16_t) * 4 * nb);
     for (int r = 0; r < nranks; ++r) {
       const uint8_t* c = shards[r] + b0;
       for (int64_t k = 0; k < nb; ++k) {

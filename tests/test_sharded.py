@@ -9,6 +9,7 @@ from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
 from hvd_terngrad.codec import reference
 from tests.golden.make_golden import golden_input
 from tests.mpi_harness import run_ranks
+from tests.test_codec import simd  # noqa: F401  (a fixture: every SIMD path)
 
 
 @pytest.mark.parametrize("nranks,bits", [(2, 4), (7, 4), (8, 8), (127, 8), (128, 16), (32767, 16)])
@@ -23,9 +24,9 @@ def test_sum_width_has_a_limit():
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 7, 8, 100, 127, 128, 300])
-def test_owner_sums_pack_unpack_and_decode_like_the_allgather(nranks):
+@pytest.mark.parametrize("shard", [37, 2100])  # bytes per rank: SIMD groups of 16 and a tail; several blocks
+def test_owner_sums_pack_unpack_and_decode_like_the_allgather(nranks, shard, simd):  # noqa: F811
     g = torch.Generator().manual_seed(nranks)
-    shard = 37  # bytes per rank: 148 codes
     codes = [reference.pack(torch.randint(0, 3, (4 * shard,), generator=g, dtype=torch.uint8))
              for _ in range(nranks)]
     packed = codec.sum_code_shards(torch.stack(codes), nranks)  # the C++ kernel
@@ -43,10 +44,12 @@ def test_owner_sums_pack_unpack_and_decode_like_the_allgather(nranks):
             assert torch.equal(got, whole[start:start + n])
 
 
-def test_an_invalid_code_in_a_shard_is_refused():
-    bad = torch.full((2, 3), 0xFF, dtype=torch.uint8)
-    with pytest.raises(codec.CorruptPayload):
-        codec.sum_code_shards(bad, 2)
+def test_an_invalid_code_in_a_shard_is_refused(simd):  # noqa: F811
+    for shard in (3, 40):  # the tail, and a whole SIMD group
+        bad = torch.zeros((2, shard), dtype=torch.uint8)
+        bad[1, shard // 2] = 0b00110000  # one 0b11 code among valid ones
+        with pytest.raises(codec.CorruptPayload):
+            codec.sum_code_shards(bad, 2)
 
 
 def _bucket(rank: int):
