@@ -40,6 +40,7 @@ from benchmarks.methods import parse_method
 from benchmarks.simulator import SimulatedWorkers, horovod_average
 from examples.train_digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
+from hvd_terngrad.engine import NonFiniteGradientError
 
 METHODS = ("fp32", "terngrad", "terngrad:noclip", "terngrad:noshare", "terngrad:ef", "terngrad:sharded",
            "terngrad:sharded-ternary", "terngrad:block256", "terngrad:block64", "terngrad:noclip:block64",
@@ -271,7 +272,19 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     total = per_epoch * task.epochs if steps_cap is None else min(steps_cap, per_epoch * task.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1 - t / total) ** 0.5)
     g = torch.Generator().manual_seed(10_000 + seed)
-    curve, step, t0 = [], 0, time.perf_counter()
+    curve, t0 = [], time.perf_counter()
+    try:
+        _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve)
+    except NonFiniteGradientError as exc:  # TernGrad raises on a NaN, as on real ranks; FP32 trains on with NaN
+        return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
+                "final": float("nan"), "curve": curve, "seconds": time.perf_counter() - t0, "diverged": str(exc)}
+    return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
+            "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
+
+
+def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve) -> None:
+    """The training loop of train(): test metric after each epoch into curve."""
+    step = 0
     while step < total:
         order = torch.randperm(data.n_train, generator=g)
         for b in range(per_epoch):
@@ -291,8 +304,6 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
             step += 1
             if step % per_epoch == 0 or step == total:
                 curve.append((step, data.evaluate(model)))
-    return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
-            "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -303,16 +314,18 @@ def summarize(runs: list[dict]) -> list[dict]:
     for task, n, method in keys:
         finals = {r["seed"]: r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)}
         base = {r["seed"]: r["final"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, "fp32")}
-        vals = list(finals.values())
-        mean = statistics.mean(vals)
+        vals = [v for v in finals.values() if math.isfinite(v)]  # a diverged run (NaN) is counted, not averaged
         gap = None
-        paired = sorted(finals.keys() & base.keys())  # a seed fixes the initialization and the batches: compare
-        if paired:                                      # a method with FP32 on the seeds both ran
+        # a seed fixes the initialization and the batches: a method against FP32 on the seeds both finished
+        paired = sorted(s for s in finals.keys() & base.keys() if math.isfinite(finals[s]) and math.isfinite(base[s]))
+        if paired:
             m = statistics.mean(finals[s] for s in paired)
             b = statistics.mean(base[s] for s in paired)
             gap = m - b if TASKS[task].metric == "acc" else 100.0 * (m / b - 1)  # pp, or % of bpc
-        rows.append({"task": task, "workers": n, "method": method, "mean": mean, "min": min(vals), "max": max(vals),
-                     "seeds": len(vals), "gap": gap})
+        nan = float("nan")
+        rows.append({"task": task, "workers": n, "method": method, "mean": statistics.mean(vals) if vals else nan,
+                     "min": min(vals, default=nan), "max": max(vals, default=nan), "seeds": len(finals),
+                     "diverged": len(finals) - len(vals), "gap": gap})
     return rows
 
 
@@ -324,8 +337,9 @@ def table(rows: list[dict]) -> str:
         unit = "%" if acc else " bpc"
         gap = "" if r["gap"] is None else (f"{r['gap']:+.2f} pp" if acc else f"{r['gap']:+.1f}%")
         worse = r["gap"] is not None and ((acc and r["gap"] < -0.5) or (not acc and r["gap"] > 1.0))
+        seeds = f"{r['seeds']} ({r['diverged']} diverged)" if r["diverged"] else str(r["seeds"])
         lines.append(f"| {r['task']} | {r['workers']} | {r['method']} | {r['mean']:.2f}{unit} | {r['min']:.2f} | "
-                     f"{r['max']:.2f} | {r['seeds']} | {gap}{' **' if worse else ''} |")
+                     f"{r['max']:.2f} | {seeds} | {gap}{' **' if worse else ''} |")
     return "\n".join(lines)
 
 
@@ -340,7 +354,8 @@ def plot(runs: list[dict], out: Path) -> None:
         fig, axes = plt.subplots(1, len(ns), figsize=(5 * len(ns), 3.8), squeeze=False)
         for ax, n in zip(axes[0], ns):
             for method in METHODS:
-                curves = [r["curve"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)]
+                curves = [r["curve"] for r in runs if (r["task"], r["workers"], r["method"]) == (task, n, method)
+                          and math.isfinite(r["final"])]  # a diverged run has no full curve
                 if curves:
                     steps = [s for s, _ in curves[0]]
                     mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]

@@ -17,3 +17,16 @@ def test_smoke_slice_runs_every_task_and_method(tmp_path):
     # every method of a task starts from the same initialization: FP32 and TernGrad differ only by the exchange
     first = {(r["task"], r["method"]): r["curve"] for r in runs}
     assert all(len(c) >= 1 for c in first.values())
+
+
+def test_a_diverging_run_is_recorded_not_fatal(tmp_path):
+    """A TernGrad run whose gradients turn NaN ends as a diverged run (final NaN) and the report still comes out."""
+    import dataclasses
+
+    data = fidelity_suite.Data(fidelity_suite.TASKS["digits"])
+    data.task = dataclasses.replace(data.task, lr=1e6)  # diverges within a few steps
+    r = fidelity_suite.train(data, "terngrad", 2, 0, steps_cap=6)
+    assert math.isnan(r["final"]) and "non-finite" in r["diverged"]
+    rows = fidelity_suite.summarize([r, fidelity_suite.train(data, "fp32", 2, 0, steps_cap=6)])
+    assert {row["method"]: row["diverged"] for row in rows}["terngrad"] == 1
+    assert "1 (1 diverged)" in fidelity_suite.table(rows)
