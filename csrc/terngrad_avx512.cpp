@@ -204,20 +204,26 @@ TG_AVX512 inline void code_masks(const uint8_t* bytes, uint64_t& plus, uint64_t&
   minus = _pext_u64(w0, ODD) | _pext_u64(w1, ODD) << 32;
 }
 
+// The code sums of 64 elements (16 code bytes at byte0 of every rank) in int8 lanes; invalid codes into badbits.
+TG_AVX512 inline __m512i count_codes(int nranks, const uint8_t* const* codes, int64_t byte0, uint64_t& badbits) {
+  const __m512i one = _mm512_set1_epi8(1);
+  __m512i acc = _mm512_setzero_si512();
+  for (int r = 0; r < nranks; ++r) {
+    uint64_t p, n;
+    code_masks(codes[r] + byte0, p, n);
+    badbits |= p & n;
+    acc = _mm512_mask_add_epi8(acc, p, acc, one);
+    acc = _mm512_mask_sub_epi8(acc, n, acc, one);
+  }
+  return acc;
+}
+
 TG_AVX512 void sum_shards_avx512(int nranks, const uint8_t* const* shards, int64_t b0, int64_t nbytes, int bits,
                                  uint8_t* out, uint32_t& bad) {
   uint64_t badbits = 0;
-  const __m512i one = _mm512_set1_epi8(1), offset = _mm512_set1_epi8((char)nranks);
+  const __m512i offset = _mm512_set1_epi8((char)nranks);
   for (int64_t g = b0; g < b0 + nbytes; g += 16) {  // 16 code bytes: 64 elements, one int8 lane each
-    __m512i acc = _mm512_setzero_si512();
-    for (int r = 0; r < nranks; ++r) {
-      uint64_t p, n;
-      code_masks(shards[r] + g, p, n);
-      badbits |= p & n;
-      acc = _mm512_mask_add_epi8(acc, p, acc, one);
-      acc = _mm512_mask_sub_epi8(acc, n, acc, one);
-    }
-    acc = _mm512_add_epi8(acc, offset);  // sum + N, in [0, 2N]
+    const __m512i acc = _mm512_add_epi8(count_codes(nranks, shards, g, badbits), offset);  // sum + N, in [0, 2N]
     if (bits == 8) {
       _mm512_storeu_si512(out + 4 * g, acc);
     } else {  // two a byte, element 2k in the low nibble: a 16-bit lane holds elements 2k (low), 2k+1 (high)
@@ -235,15 +241,7 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
   for (int64_t g = start; g < start + len; g += 64) {
     const int64_t byte0 = g / 4;
     if (shared) {
-      __m512i acc = _mm512_setzero_si512();
-      const __m512i one = _mm512_set1_epi8(1);
-      for (int r = 0; r < nranks; ++r) {
-        uint64_t p, n;
-        code_masks(codes[r] + byte0, p, n);
-        badbits |= p & n;
-        acc = _mm512_mask_add_epi8(acc, p, acc, one);
-        acc = _mm512_mask_sub_epi8(acc, n, acc, one);
-      }
+      const __m512i acc = count_codes(nranks, codes, byte0, badbits);
       const __m512 vp = _mm512_set1_ps(post);
       alignas(64) int8_t lanes[64];
       _mm512_store_si512(reinterpret_cast<__m512i*>(lanes), acc);

@@ -205,6 +205,19 @@ class CorruptPayload(ValueError):
     """Codes that no encoder writes: 0b11, or a non-zero padding code."""
 
 
+def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Checks every rank's packed codes of n elements; the fp32 destination (`out`, checked, or a new one)."""
+    nbytes = codes_size(n)
+    for r, c in enumerate(codes):
+        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
+            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got {c.numel()} {c.dtype}")
+    if out is None:
+        return torch.empty(n, dtype=torch.float32, device=codes[0].device)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
+    return out
+
+
 def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
                out: torch.Tensor | None = None, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
     """Mean over ranks of scaler_r * b_r, as fp32, from each rank's packed codes.
@@ -213,17 +226,9 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
     """
     if not codes:
         raise ValueError("decode_mean needs the codes of at least one rank")
-    nbytes = codes_size(n)
-    for r, c in enumerate(codes):
-        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
-            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got "
-                             f"{c.numel()} {c.dtype}")
     if len(scalers) != len(codes):
         raise ValueError(f"{len(codes)} code arrays but {len(scalers)} scalers")
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=codes[0].device)
-    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
+    out = _decode_out(codes, n, out)
     be = resolve_backend(codes[0], backend)
     if be == "cpu":
         ok = cpu.decode_mean(codes, scalers, shared, n, out, nthreads)
@@ -247,14 +252,7 @@ def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared:
         raise ValueError("decode_mean_blocks needs the codes of at least one rank")
     nb = num_blocks(n, block_size)
     scalers = _check_scalers(scalers, (nb,) if shared else (len(codes), nb))
-    nbytes = codes_size(n)
-    for r, c in enumerate(codes):
-        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
-            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got {c.numel()} {c.dtype}")
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=codes[0].device)
-    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
+    out = _decode_out(codes, n, out)
     be = resolve_backend(codes[0], backend)
     if be == "cpu":
         ok = cpu.decode_mean_blocks(codes, scalers.cpu(), shared, n, block_size, out, nthreads)
