@@ -89,16 +89,21 @@ def moments(x: torch.Tensor, backend: str = "auto", nthreads: int | None = None)
     return Moments(*reference.moments(x))
 
 
+def _codes_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The packed codes' destination for flat x: `out`, checked, or a new one."""
+    nbytes = codes_size(x.numel())
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
+    return out
+
+
 def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tensor | None = None,
                    backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
     """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
     x = _flat(x)
-    n = x.numel()
-    nbytes = codes_size(n)
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
+    out = _codes_out(x, out)
     if not (scaler >= 0.0) or scaler == float("inf"):
         raise ValueError(f"scaler must be finite and >= 0, got {scaler}")
     be = resolve_backend(x, backend)
@@ -165,11 +170,7 @@ def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block_size: in
     x = _flat(x)
     n = x.numel()
     scalers = _check_scalers(scalers, (num_blocks(n, block_size),))
-    nbytes = codes_size(n)
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
+    out = _codes_out(x, out)
     be = resolve_backend(x, backend)
     if be == "cpu":
         cpu.ternarize_pack_blocks(x, scalers.cpu(), block_size, key.seed, key.step, key.rank, key.tensor_id, out,
