@@ -26,6 +26,7 @@ and gap to FP32 per task and N, the gap over the seeds both ran) and one learnin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -62,6 +63,9 @@ class Task:
     epochs: int  # passes over the training set, whatever N
     classifier: str = "head.*"  # excluded from coding, as in the paper
     min_steps: int = 0  # at least this many steps, where the epochs at a large N would give too few to learn
+    # Off in the suite; for recipe studies with --set (README: the LM's recipe):
+    warmup: float = 0.0  # fraction of the steps over which the learning rate ramps up linearly
+    clip_norm: float = 0.0  # > 0: the averaged gradient's global norm is clipped to it, as after synchronize()
 
 
 def _mnist():
@@ -280,16 +284,18 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     per_epoch = max(1, data.n_train // (task.batch * workers))
     total = max(per_epoch * task.epochs, task.min_steps)
     total = total if steps_cap is None else min(steps_cap, total)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1 - t / total) ** 0.5)
+    warm = max(1, round(task.warmup * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warm) * max(0.0, 1 - t / total) ** .5)
     g = torch.Generator().manual_seed(10_000 + seed)
     curve, t0 = [], time.perf_counter()
+    run = {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
+           "recipe": dataclasses.asdict(task)}
     try:
         _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve)
     except NonFiniteGradientError as exc:  # TernGrad raises on a NaN, as on real ranks; FP32 trains on with NaN
-        return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
-                "final": float("nan"), "curve": curve, "seconds": time.perf_counter() - t0, "diverged": str(exc)}
-    return {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
-            "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
+        return {**run, "final": float("nan"), "curve": curve, "seconds": time.perf_counter() - t0,
+                "diverged": str(exc)}
+    return {**run, "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
 
 
 def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve) -> None:
@@ -315,6 +321,8 @@ def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, to
             avg = sim.average(grads) if sim else [horovod_average(list(gs)) for gs in zip(*grads)]
             for p, a in zip(params, avg):
                 p.grad.copy_(a)
+            if task.clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, task.clip_norm)
             opt.step()
             sched.step()
             step += 1
@@ -392,15 +400,16 @@ def plot(runs: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
-_DATA: dict[str, Data] = {}
+_DATA: dict[Task, Data] = {}
 
 
 def _one(job) -> dict:
     task, n, method, seed, steps_cap = job
     torch.set_num_threads(1)
-    if task not in _DATA:  # each process loads a task's data once
-        _DATA[task] = Data(TASKS[task])
-    return train(_DATA[task], method, n, seed, steps_cap)
+    t = TASKS[task]
+    if t not in _DATA:  # each process loads a task's data once (per recipe: --set may change it)
+        _DATA[t] = Data(t)
+    return train(_DATA[t], method, n, seed, steps_cap)
 
 
 def _runs(todo: list, jobs: int):
@@ -427,7 +436,15 @@ def main(argv=None):
     ap.add_argument("--out", default="results/fidelity_suite")
     ap.add_argument("--append", action="store_true", help="add to the runs already in --out (the report covers all)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one core each")
+    ap.add_argument("--set", action="append", default=[], metavar="TASK.FIELD=VALUE",
+                    help="change a task's recipe for this invocation, e.g. charlm.lr=0.2 or charlm.clip_norm=1")
     args = ap.parse_args(argv)
+    for spec in args.set:
+        key, _, value = spec.partition("=")
+        name, _, field = key.partition(".")
+        if name not in TASKS or field not in Task.__dataclass_fields__ or field == "name" or not value:
+            ap.error(f"--set {spec!r}: expected TASK.FIELD=VALUE with TASK in {sorted(TASKS)}")
+        TASKS[name] = dataclasses.replace(TASKS[name], **{field: type(getattr(TASKS[name], field))(value)})
     torch.set_num_threads(1)
     steps_cap = 6 if args.smoke else None
     seeds = [0] if args.smoke else [int(s) for s in args.seeds.split(",")]

@@ -30,3 +30,17 @@ def test_a_diverging_run_is_recorded_not_fatal(tmp_path):
     rows = fidelity_suite.summarize([r, fidelity_suite.train(data, "fp32", 2, 0, steps_cap=6)])
     assert {row["method"]: row["diverged"] for row in rows}["terngrad"] == 1
     assert "1 (1 diverged)" in fidelity_suite.table(rows)
+
+
+def test_set_changes_a_recipe_and_records_it(tmp_path, monkeypatch):
+    """--set TASK.FIELD=VALUE changes that task's recipe for the invocation; each run records its recipe."""
+    import pytest
+
+    monkeypatch.setattr(fidelity_suite, "TASKS", dict(fidelity_suite.TASKS))  # --set writes to the table
+    assert fidelity_suite.main(["--smoke", "--tasks", "digits", "--methods", "fp32,terngrad", "--set",
+                                "digits.clip_norm=0.5", "--set", "digits.lr=0.02", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "fidelity_suite.json").read_text())
+    assert [(r["recipe"]["clip_norm"], r["recipe"]["lr"], r["recipe"]["epochs"]) for r in runs] == [(0.5, 0.02, 8)] * 2
+    for bad in ("digits.nope=1", "mnist.lr=1", "digits.lr"):
+        with pytest.raises(SystemExit):
+            fidelity_suite.main(["--smoke", "--set", bad, "--out", str(tmp_path)])
