@@ -201,8 +201,8 @@ class CharTransformer(nn.Module):
 TASKS = {
     "charlm": Task("charlm", "bpc", 16, 0.1, 2),
     "resnet": Task("resnet", "acc", 16, 0.05, 4),
-    "ncf": Task("ncf", "acc", 64, 1.0, 6),
-    "lenet": Task("lenet", "acc", 16, 0.02, 6),
+    "ncf": Task("ncf", "acc", 64, 1.0, 4),
+    "lenet": Task("lenet", "acc", 16, 0.02, 4),
     "digits": Task("digits", "acc", 16, 0.05, 8, "fc2.*", min_steps=80),  # 32 workers: 16 steps otherwise
 }
 CONTEXT = 64
