@@ -1,5 +1,7 @@
 """One vocabulary for how gradients travel, used by every tool: a method name and the optimizer it builds.
 
+    local                    no gradient exchange: each worker steps on its own gradients. Not a way to
+                             train; the throughput ceiling of every method on the same cluster
     fp32                     plain Horovod
     fp16                     Horovod's Compression.fp16
     terngrad                 hvd_terngrad.DistributedOptimizer, paper defaults, allgather transport
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from hvd_terngrad.codec import check_block_size
 from hvd_terngrad.config import TRANSPORTS
 
-COMPRESSIONS = ("fp32", "fp16", "terngrad")
+COMPRESSIONS = ("local", "fp32", "fp16", "terngrad")
 OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True),
            "hier": ("hierarchical", True)}
 
@@ -43,6 +45,8 @@ class Method:
 
     @property
     def optimizer(self) -> str:
+        if self.compression == "local":
+            return "none"
         return "stock" if self.stock or self.compression != "terngrad" else "hvd_terngrad"
 
     def terngrad_options(self) -> dict:
@@ -78,6 +82,8 @@ def build_optimizer(method: Method, model, base, seed: int = 0):
 
     import hvd_terngrad
 
+    if method.compression == "local":
+        return base, None
     named = list(model.named_parameters())
     if method.compression == "fp32":
         return hvd.DistributedOptimizer(base, named_parameters=named), None

@@ -130,6 +130,8 @@ def validate_host(sweep: dict, hosts: dict, overlap: bool = True) -> list[dict]:
         if host is None or (probe is None and f"{r['model']}:{r['batch_size']}" not in host.compute):
             continue
         method = parse_method(r.get("method") or r["compression"]).name
+        if method == "local":  # no exchange: nothing for the model to predict beyond the compute it measured
+            continue
         p = host_step_seconds(method, r["model"], r["batch_size"], host, overlap, compute=probe)
         meas = r["step_seconds"]
         out.append({"model": r["model"], "profile": r["profile"], "nodes": r["nodes"], "method": method,
@@ -156,6 +158,8 @@ def validate(sweep: dict, compute: dict, codec: Codec, cores: int) -> list[dict]
         n = r["nodes"]
         share = max(1.0, n / cores)
         method = parse_method(r.get("method") or r["compression"]).name
+        if method == "local":
+            continue
         s = Split(c["coded"], c["tensors"], c["floats"])
         scale = r["batch_size"] / c["batch"]
         p = step_seconds(method, s, n, c["step"] * scale * share, c["backward"] * scale * share, link, codec)

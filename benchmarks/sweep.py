@@ -94,6 +94,24 @@ def speedup_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ceiling_table(rows: list[dict]) -> str:
+    """Every method against `local` (no gradient exchange) on the same cluster: the share of that ceiling it
+    reaches, and the CPU time a worker spends on a step. Where nodes share cores, CPU a worker spends beyond
+    local's is compute taken from the others."""
+    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    lines = ["| model | profile | nodes | method | img/s | share of local | CPU ms/step/worker | CPU beyond local |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for (model, prof, n, m), r in sorted(idx.items()):
+        top = idx.get((model, prof, n, "local"))
+        if top is None or m == "local" or "cpu_seconds_per_step" not in r:
+            continue
+        cpu, base = r["cpu_seconds_per_step"] * 1e3, top["cpu_seconds_per_step"] * 1e3
+        lines.append(f"| {model} | {prof} | {n} | {m} | {r['img_sec_total']:.0f} | "
+                     f"{r['img_sec_total'] / top['img_sec_total']:.0%} of {top['img_sec_total']:.0f} | "
+                     f"{cpu:.0f} | {cpu - base:+.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(rows: list[dict], probes: dict, path: Path) -> None:
     import matplotlib
 
@@ -103,7 +121,8 @@ def plot(rows: list[dict], probes: dict, path: Path) -> None:
     profiles = sorted({r["profile"] for r in rows})
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4.5), squeeze=False)
-    styles = {"fp32": ("o-", "FP32"), "fp16": ("s--", "fp16"), "terngrad": ("^-", "TernGrad"),
+    styles = {"local": ("+:", "no exchange (ceiling)"), "fp32": ("o-", "FP32"), "fp16": ("s--", "fp16"),
+              "terngrad": ("^-", "TernGrad"),
               "terngrad:summed": ("v:", "TernGrad summed"), "terngrad:summed-int8": ("d:", "TernGrad int8"),
               "terngrad:auto": ("x-.", "TernGrad auto")}
     colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
@@ -130,7 +149,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="alexnet,vgg,googlenet,mlp")
     ap.add_argument("--methods", default="fp32,fp16,terngrad",
-                    help="fp32, fp16, terngrad, or terngrad:<modifiers> (benchmarks/methods.py)")
+                    help="fp32, fp16, terngrad, or terngrad:<modifiers> (benchmarks/methods.py); local for the "
+                         "ceiling")
     ap.add_argument("--profiles", default="ethernet-1g,fast")
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--ranks-per-node", type=int, default=1,
@@ -187,6 +207,9 @@ def main(argv=None):
     ttable = transport_table(rows)
     if ttable:
         table += "\n\nTernGrad transports:\n\n" + ttable
+    ctable = ceiling_table(rows)
+    if ctable:
+        table += "\n\nAgainst no exchange (`local`), and the CPU time of a step:\n\n" + ctable
     (out / "sweep.md").write_text(table + "\n")
     plot(rows, probes, out / "sweep.png")
     print("\n" + table)

@@ -5,13 +5,15 @@ pytorch_synthetic_benchmark.py), on the models of benchmarks/models.py.
 
 Methods are named as in benchmarks/methods.py (fp32, fp16, terngrad, terngrad:summed, terngrad:stock, ...).
 Prints img/sec per worker (mean +- 1.96 sigma over iterations) and in total, as Horovod's benchmark does,
-and for every method the gradient bytes each worker sends per step.
+and for every method the gradient bytes each worker sends per step and the CPU time rank 0 spends on one
+(all its threads: where nodes share cores, what one worker spends is taken from the others).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 import timeit
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from benchmarks.models import MODELS, build, synthetic_batch
 
 def bytes_per_step(model, method: Method, tg) -> float:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    if method.compression == "local":
+        return 0.0
     if method.compression == "fp32":
         return dense
     if method.compression == "fp16":
@@ -60,8 +64,11 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     timeit.timeit(step, number=warmup)
     tx0, rx0 = iface_bytes(iface)
     img_secs, phases = [], []
+    cpu = 0.0  # this process's CPU time over the timed steps, all its threads (Horovod's and MPI's too)
     for _ in range(iters):
+        c0 = time.process_time()
         t = timeit.timeit(step, number=per_iter)
+        cpu += time.process_time() - c0
         img_secs.append(batch_size * per_iter / t)
         if between is not None:
             # its barriers add a few hundred bytes to the wire counts; leaving out what crosses the wire
@@ -81,6 +88,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
            "batch_size": batch_size, "img_sec_per_worker": mean, "img_sec_conf": conf,
            "img_sec_total": mean * hvd.size(), "step_seconds": batch_size / mean,
            "step_seconds_median": statistics.median(batch_size / v for v in img_secs),
+           "cpu_seconds_per_step": cpu / (iters * per_iter),
            "params": sum(p.numel() for p in model.parameters()),
            "bytes_per_step": bytes_per_step(model, method, tg),
            "wire_tx_per_step": (tx1 - tx0) / (iters * per_iter), "wire_rx_per_step": (rx1 - rx0) / (iters * per_iter)}
@@ -98,7 +106,8 @@ def main(argv=None):
     ap.add_argument("--num-batches-per-iter", type=int, default=5)
     ap.add_argument("--num-iters", type=int, default=5)
     ap.add_argument("--method", default="terngrad", type=parse_method,
-                    help="fp32, fp16, terngrad or terngrad:<modifiers> (benchmarks/methods.py)")
+                    help="fp32, fp16, terngrad or terngrad:<modifiers>, or local (no exchange: the ceiling) "
+                         "(benchmarks/methods.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")
@@ -129,6 +138,7 @@ def main(argv=None):
         conf_total = r["img_sec_conf"] * hvd.size()
         print(f"Total img/sec on {hvd.size()} worker(s): {r['img_sec_total']:.1f} +-{conf_total:.1f}")
         print(f"Gradient bytes sent per worker per step: {r['bytes_per_step']:,.0f}")
+        print(f"CPU time per step (rank 0, all threads): {r['cpu_seconds_per_step'] * 1e3:.1f} ms")
         if args.iface:
             print(f"Wire bytes per step on {args.iface} (rank 0): sent {r['wire_tx_per_step']:,.0f}, "
                   f"received {r['wire_rx_per_step']:,.0f}")

@@ -133,3 +133,19 @@ def test_nodes_are_pinned_to_cores_round_robin():
     assert res.returncode == 0, res.stdout
     got = dict(line.split(" cpus ") for line in res.stdout.splitlines() if line.startswith("rank "))
     assert {int(k.split()[1]): v.strip() for k, v in got.items()} == {i: str(cpus[i % len(cpus)]) for i in range(3)}
+
+
+def test_a_sweep_puts_every_method_beside_the_no_exchange_ceiling(tmp_path):
+    from benchmarks.sweep import main as sweep
+
+    assert sweep(["--models", "tiny", "--methods", "local,terngrad", "--profiles", "ethernet-1g", "--nodes", "2",
+                  "--quick", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"]}
+    local, tern = rows["local"], rows["terngrad"]
+    assert local["bytes_per_step"] == 0 and local["optimizer"] == "none"
+    # no gradient crosses the link; only Horovod's own coordination does
+    assert local["wire_tx_per_step"] < 0.1 * tern["wire_tx_per_step"]
+    assert local["cpu_seconds_per_step"] > 0 and tern["cpu_seconds_per_step"] > 0
+    table = (tmp_path / "sweep.md").read_text()
+    share = tern["img_sec_total"] / local["img_sec_total"]
+    assert f"| tiny | ethernet-1g | 2 | terngrad | {tern['img_sec_total']:.0f} | {share:.0%} of " in table

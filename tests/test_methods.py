@@ -25,8 +25,9 @@ def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options
         TernGradConfig(**m.terngrad_options())  # every spelled option is a valid configuration
 
 
-@pytest.mark.parametrize("text", ["fp8", "fp32:summed", "terngrad:bogus", "terngrad:summed:summed-int8",
-                                  "terngrad:ef:ef", "terngrad:block100", "terngrad:block64:block128"])
+@pytest.mark.parametrize("text", ["fp8", "fp32:summed", "local:sharded", "terngrad:bogus",
+                                  "terngrad:summed:summed-int8", "terngrad:ef:ef", "terngrad:block100",
+                                  "terngrad:block64:block128"])
 def test_bad_method_names_say_what_is_allowed(text):
     with pytest.raises(ValueError, match="method|starts with|block_size"):
         parse_method(text)
@@ -34,6 +35,7 @@ def test_bad_method_names_say_what_is_allowed(text):
 
 def test_the_method_optimizer_follows_the_stock_modifier():
     assert Method("terngrad").optimizer == "hvd_terngrad"
+    assert parse_method("local").optimizer == "none" and parse_method("local").name == "local"
     assert parse_method("terngrad:stock").optimizer == "stock" and parse_method("fp16").optimizer == "stock"
 
 
