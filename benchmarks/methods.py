@@ -83,7 +83,7 @@ def build_optimizer(method: Method, model, base, seed: int = 0):
     import hvd_terngrad
 
     if method.compression == "local":
-        return base, None
+        return _Lockstep(base), None
     named = list(model.named_parameters())
     if method.compression == "fp32":
         return hvd.DistributedOptimizer(base, named_parameters=named), None
@@ -94,3 +94,22 @@ def build_optimizer(method: Method, model, base, seed: int = 0):
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
     tg = hvd_terngrad.TernGrad(seed=seed, **method.terngrad_options())
     return hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
+
+
+class _Lockstep:
+    """`local`: the base optimizer, and after each step a one-element allreduce that keeps the ranks in step,
+    as synchronous training does. Without it the ranks drift apart, and where nodes share cores rank 0's
+    timing would count steps taken while others idle."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def zero_grad(self):
+        self.base.zero_grad()
+
+    def step(self):
+        import horovod.torch as hvd
+        import torch
+
+        self.base.step()
+        hvd.allreduce(torch.zeros(1), name="local.lockstep", op=hvd.Sum)
