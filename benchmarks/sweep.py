@@ -73,19 +73,21 @@ def transport_table(rows: list[dict]) -> str:
 
 
 def speedup_table(rows: list[dict]) -> str:
+    """Every TernGrad method against FP32 and fp16 at the same point, with its step's phases."""
     idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
-    lines = ["| model | profile | nodes | FP32 img/s | fp16 img/s | TernGrad img/s | TernGrad/FP32 | TernGrad/fp16 | "
-             "TernGrad step: encode / comm / decode / rest (ms) | wire bytes/step/node: FP32 / TernGrad |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for (model, prof, n, comp), t in sorted(idx.items()):
-        if comp != "terngrad":
+    lines = ["| model | profile | nodes | method | FP32 img/s | fp16 img/s | TernGrad img/s | TernGrad/FP32 | "
+             "TernGrad/fp16 | TernGrad step: encode / comm / decode / rest (ms) | "
+             "wire bytes/step/node: FP32 / TernGrad |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for (model, prof, n, m), t in sorted(idx.items()):
+        if t["compression"] != "terngrad":
             continue
         f32, f16 = idx.get((model, prof, n, "fp32")), idx.get((model, prof, n, "fp16"))
         step = t["step_seconds"] * 1e3
         enc, com, dec = (t.get(k, 0.0) * 1e3 for k in ("time_encode", "time_comm", "time_decode"))
         rest = step - enc - com - dec
         lines.append(
-            f"| {model} | {prof} | {n} | {f32['img_sec_total'] if f32 else 0:.0f} | "
+            f"| {model} | {prof} | {n} | {m} | {f32['img_sec_total'] if f32 else 0:.0f} | "
             f"{f16['img_sec_total'] if f16 else 0:.0f} | {t['img_sec_total']:.0f} | "
             f"{t['img_sec_total'] / f32['img_sec_total'] if f32 else 0:.2f}x | "
             f"{t['img_sec_total'] / f16['img_sec_total'] if f16 else 0:.2f}x | "
