@@ -98,12 +98,13 @@ def speedup_table(rows: list[dict]) -> str:
 
 def ceiling_table(rows: list[dict]) -> str:
     """Every method against `local` (no gradient exchange) on the same cluster: the share of that ceiling it
-    reaches, and the CPU time a worker spends on a step. Where nodes share cores, CPU a worker spends beyond
-    local's is compute taken from the others."""
+    reaches, and the CPU time a worker spends on a step (for TernGrad also its coding's: statistics, codes,
+    owners' replies, decoding; the last step of each timing). Where nodes share cores, CPU a worker spends
+    beyond local's is compute taken from the others."""
     idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
     lines = ["| model | profile | nodes | method | img/s | share of local | CPU ms/step/worker: training thread + "
-             "others | CPU beyond local |",
-             "|---|---|---:|---|---:|---:|---|---:|"]
+             "others | CPU beyond local | of which TernGrad's coding |",
+             "|---|---|---:|---|---:|---:|---|---:|---:|"]
     for (model, prof, n, m), r in sorted(idx.items()):
         top = idx.get((model, prof, n, "local"))
         if top is None or m == "local" or "cpu_seconds_per_step" not in r:
@@ -111,9 +112,10 @@ def ceiling_table(rows: list[dict]) -> str:
         cpu, base = r["cpu_seconds_per_step"] * 1e3, top["cpu_seconds_per_step"] * 1e3
         main = r.get("main_cpu_seconds_per_step", 0.0) * 1e3
         split = f"{cpu:.0f}: {main:.0f} + {cpu - main:.0f}" if main else f"{cpu:.0f}"
+        coding = f"{(r['cpu_encode'] + r['cpu_decode']) * 1e3:.0f}" if "cpu_encode" in r else ""
         lines.append(f"| {model} | {prof} | {n} | {m} | {r['img_sec_total']:.0f} | "
                      f"{r['img_sec_total'] / top['img_sec_total']:.0%} of {top['img_sec_total']:.0f} | "
-                     f"{split} | {cpu - base:+.0f} |")
+                     f"{split} | {cpu - base:+.0f} | {coding} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

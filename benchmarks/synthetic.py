@@ -77,7 +77,8 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
             between()
         if tg is not None:
             last = tg.stats.last
-            phases.append((last.time_encode, last.time_comm, last.time_decode))
+            phases.append((last.time_encode, last.time_comm, last.time_decode,
+                           last.cpu_encode, last.cpu_comm, last.cpu_decode))
         if log is not None and hvd.rank() == 0:
             log(f"Iter: {img_secs[-1]:.1f} img/sec per worker")
     tx1, rx1 = iface_bytes(iface)
@@ -95,8 +96,8 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
            "bytes_per_step": bytes_per_step(model, method, tg),
            "wire_tx_per_step": (tx1 - tx0) / (iters * per_iter), "wire_rx_per_step": (rx1 - rx0) / (iters * per_iter)}
     if phases:
-        res["time_encode"], res["time_comm"], res["time_decode"] = (statistics.mean(p[i] for p in phases)
-                                                                    for i in range(3))
+        keys = ("time_encode", "time_comm", "time_decode", "cpu_encode", "cpu_comm", "cpu_decode")
+        res.update({k: statistics.mean(p[i] for p in phases) for i, k in enumerate(keys)})
     return res
 
 

@@ -2,7 +2,9 @@
 
 StepStats of the last finished step: bytes this rank contributed (sent) and received, the dense bytes
 the same gradients take in their own dtype, the compression ratio, and the seconds spent coding
-(stats + ternarize + pack), waiting on communication, and decoding.
+(stats + ternarize + pack), waiting on communication, and decoding: wall time, and the CPU time of the
+thread that did it. Where cores are shared (several ranks a CPU, data loaders), the CPU time is what the
+phase took from other work; the wall time also counts the waits for a core.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class StepStats:
     time_encode: float = 0.0
     time_comm: float = 0.0
     time_decode: float = 0.0
+    cpu_encode: float = 0.0
+    cpu_comm: float = 0.0
+    cpu_decode: float = 0.0
     skipped: bool = False
 
     @property
@@ -71,9 +76,10 @@ class StatsRecorder:
 
     @contextmanager
     def timed(self, phase: str):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            attr = f"time_{phase}"
-            setattr(self.current, attr, getattr(self.current, attr) + time.perf_counter() - t0)
+            c = self.current
+            setattr(c, f"time_{phase}", getattr(c, f"time_{phase}") + time.perf_counter() - t0)
+            setattr(c, f"cpu_{phase}", getattr(c, f"cpu_{phase}") + time.thread_time() - c0)

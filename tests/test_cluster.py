@@ -147,6 +147,7 @@ def test_a_sweep_puts_every_method_beside_the_no_exchange_ceiling(tmp_path):
     assert local["wire_tx_per_step"] < 0.1 * tern["wire_tx_per_step"]
     assert 0 < local["main_cpu_seconds_per_step"] <= local["cpu_seconds_per_step"]
     assert 0 < tern["main_cpu_seconds_per_step"] <= tern["cpu_seconds_per_step"]
+    assert tern["cpu_encode"] > 0 and tern["cpu_decode"] > 0 and "cpu_encode" not in local
     table = (tmp_path / "sweep.md").read_text()
     share = tern["img_sec_total"] / local["img_sec_total"]
     assert f"| tiny | ethernet-1g | 2 | terngrad | {tern['img_sec_total']:.0f} | {share:.0%} of " in table

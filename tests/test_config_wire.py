@@ -127,3 +127,21 @@ def test_engine_summed_decode_equals_allgather_decode():
     for e, it, ref in zip(engines, items, by_gather):
         for a, b in zip(e.decode_sums(it, summed), ref):
             assert torch.equal(a, b)
+
+
+def test_stats_time_each_phase_in_wall_and_cpu_seconds():
+    import time
+
+    from hvd_terngrad.stats import StatsRecorder
+
+    st = StatsRecorder()
+    with st.timed("comm"):  # waiting: wall time, next to no CPU
+        time.sleep(0.05)
+    with st.timed("encode"):  # work: CPU time close to the wall time
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.05:
+            pass
+    c = st.current
+    assert c.time_comm >= 0.05 and c.cpu_comm < 0.02
+    assert c.time_encode >= 0.05 and 0.02 < c.cpu_encode <= c.time_encode + 0.01
+    assert c.cpu_decode == c.time_decode == 0.0

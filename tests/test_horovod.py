@@ -105,6 +105,7 @@ def test_average_is_exact_mean_of_independent_decodes(np, front):
     assert c["exact"] == 3 * 3 and c["scaler_is_max"] == 3 * 3 and c["float_is_average"] == 3 * 3
     st = res[0]["stats"]
     assert st["tensors_coded"] == 3 and st["tensors_float"] == 3 and st["ratio"] > 3
+    assert 0 < st["cpu_encode"] <= st["time_encode"] + 0.01 and 0 < st["cpu_decode"] <= st["time_decode"] + 0.01
 
 
 def test_stock_and_hvd_terngrad_paths_agree():
