@@ -24,9 +24,15 @@ import torch
 from hvd_terngrad.engine import CollectiveTimeoutError
 from hvd_terngrad.stats import StatsRecorder
 
-# Polling, as hvd.synchronize() waits: yield the core to Horovod's thread between polls (a sleep, even of
-# microseconds, costs a small job's step several milliseconds), and read the clock every _POLLS_PER_CLOCK polls.
+# Waiting polls. For its first _SPIN_S it yields the core between polls, as hvd.synchronize() does: a short
+# wait ends as soon as it can (a sleep, even of microseconds, costs a small job's step several milliseconds).
+# A longer wait is bytes on the wire; spinning through it takes a core that other ranks sharing it, or data
+# loaders, could compute on. So it then sleeps between polls, at most 1/_NAP_FRACTION of the time waited so
+# far and _NAP_MAX_S, which ends it at most that late. The clock is read every _POLLS_PER_CLOCK polls.
 _POLLS_PER_CLOCK = 64
+_SPIN_S = 1e-3
+_NAP_FRACTION = 8
+_NAP_MAX_S = 5e-4
 
 
 class HorovodCollectives:
@@ -134,13 +140,19 @@ class HorovodCollectives:
         if isinstance(handle, _Alltoall):
             return self.wait(handle.handle, what)[0]  # (output, received splits)
         with self.stats.timed("comm") if self.stats is not None else _nullcontext():
-            deadline = time.monotonic() + self.timeout_s
+            start = time.monotonic()
             polls = 0
             while not hvd.poll(handle):
                 polls += 1
-                if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:
+                if polls % _POLLS_PER_CLOCK:
+                    os.sched_yield()
+                    continue
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
                     raise CollectiveTimeoutError(self._timeout_message(what))
-                os.sched_yield()
+                if waited > _SPIN_S:
+                    time.sleep(min(waited / _NAP_FRACTION, _NAP_MAX_S))
+                    polls = _POLLS_PER_CLOCK - 1  # past the spin: read the clock at every poll
             return hvd.synchronize(handle)
 
     def _timeout_message(self, what: str) -> str:

@@ -184,6 +184,39 @@ def test_a_stuck_rank_makes_the_others_fail_in_bounded_time(front):
     assert "rank 0 of 2 failed" in msg and f"rank 0 waited 5 s for {what}" in msg, msg[-3000:]
 
 
+def body_late_rank(front):
+    """Rank 1 reaches backward 0.6 s late at step 2; rank 0's stats of that step."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd.init()
+    model = _small_model()
+    named = list(model.named_parameters())
+    base = torch.optim.SGD(model.parameters(), lr=0.01)
+    tg = hvd_terngrad.TernGrad(named) if front == "stock" else hvd_terngrad.TernGrad()
+    opt = (hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else
+           hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg))
+    for step in range(4):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 64)).sum()
+        if step == 2 and hvd.rank() == 1:
+            time.sleep(0.6)
+        loss.backward()
+        opt.step()
+        if step == 2:
+            late = tg.stats.last
+    return late.time_comm, late.cpu_comm
+
+
+@pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
+def test_a_long_wait_sleeps_instead_of_spinning(front):
+    """A wait past its first millisecond leaves the core to other work (ranks sharing it, data loaders)."""
+    res = run_ranks("tests.test_edge_cases:body_late_rank", np=2, timeout=120, args=(front,))
+    wall, cpu = res[0]
+    assert wall > 0.5 and cpu < 0.1 * wall, (wall, cpu)
+
+
 # ---------------------------------------------------------------------------------------------
 def body_bound_elsewhere():
     """Process sets that can be told apart before any collective: both are ValueErrors, on every rank."""
