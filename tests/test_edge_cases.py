@@ -150,8 +150,8 @@ def test_a_process_set_that_differs_from_the_optimizers_fails_in_bounded_time_na
     assert "Do all ranks and the optimizer use the same process set and the same TernGrad options?" in msg
 
 
-def body_stuck_rank(front):
-    """Rank 1 stops calling collectives mid-step (asleep before its backward, not dead)."""
+def _train_with_a_sleepy_rank(front, steps, sleep_at, seconds, **tg_options):
+    """Rank 1 sleeps `seconds` before its backward at step `sleep_at`: TernGrad's stats of that step."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -161,18 +161,26 @@ def body_stuck_rank(front):
     named = list(model.named_parameters())
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     if front == "stock":
-        opt = hvd.DistributedOptimizer(base, named_parameters=named,
-                                       compression=hvd_terngrad.TernGrad(named, timeout_s=5))
+        tg = hvd_terngrad.TernGrad(named, **tg_options)
+        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg)
     else:
-        opt = hvd_terngrad.DistributedOptimizer(base, named_parameters=named,
-                                                compression=hvd_terngrad.TernGrad(timeout_s=5))
-    for step in range(10):
+        tg = hvd_terngrad.TernGrad(**tg_options)
+        opt = hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+    for step in range(steps):
         opt.zero_grad()
         loss = model(torch.randn(8, 64)).sum()
-        if step == 3 and hvd.rank() == 1:
-            time.sleep(120)
+        if step == sleep_at and hvd.rank() == 1:
+            time.sleep(seconds)
         loss.backward()
         opt.step()
+        if step == sleep_at:
+            stats = tg.stats.last
+    return stats
+
+
+def body_stuck_rank(front):
+    """Rank 1 stops calling collectives mid-step (asleep before its backward, not dead)."""
+    _train_with_a_sleepy_rank(front, 10, 3, 120, timeout_s=5)
     return "finished"
 
 
@@ -185,28 +193,9 @@ def test_a_stuck_rank_makes_the_others_fail_in_bounded_time(front):
 
 
 def body_late_rank(front):
-    """Rank 1 reaches backward 0.6 s late at step 2; rank 0's stats of that step."""
-    import horovod.torch as hvd
-
-    import hvd_terngrad
-
-    hvd.init()
-    model = _small_model()
-    named = list(model.named_parameters())
-    base = torch.optim.SGD(model.parameters(), lr=0.01)
-    tg = hvd_terngrad.TernGrad(named) if front == "stock" else hvd_terngrad.TernGrad()
-    opt = (hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else
-           hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg))
-    for step in range(4):
-        opt.zero_grad()
-        loss = model(torch.randn(8, 64)).sum()
-        if step == 2 and hvd.rank() == 1:
-            time.sleep(0.6)
-        loss.backward()
-        opt.step()
-        if step == 2:
-            late = tg.stats.last
-    return late.time_comm, late.cpu_comm
+    """Rank 1 reaches backward 0.6 s late at step 2; rank 0's wait in that step, wall and CPU seconds."""
+    stats = _train_with_a_sleepy_rank(front, 4, 2, 0.6)
+    return stats.time_comm, stats.cpu_comm
 
 
 @pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
