@@ -53,12 +53,17 @@ def _method(r: dict) -> str:
     return parse_method(r.get("method") or r["compression"]).name
 
 
+def _index(rows: list[dict]) -> dict:
+    """Rows by (model, profile, nodes, method)."""
+    return {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+
+
 def transport_table(rows: list[dict]) -> str:
     """img/s of each TernGrad transport side by side, and which one wins."""
     methods = sorted({_method(r) for r in rows if r["compression"] == "terngrad"})
     if len(methods) < 2:
         return ""
-    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    idx = _index(rows)
     keys = sorted({(r["model"], r["profile"], r["nodes"]) for r in rows})
     lines = ["| model | profile | nodes | " + " | ".join(f"{m} img/s" for m in methods) + " | fastest |",
              "|---|---|---:|" + "---:|" * len(methods) + "---|"]
@@ -74,7 +79,7 @@ def transport_table(rows: list[dict]) -> str:
 
 def speedup_table(rows: list[dict]) -> str:
     """Every TernGrad method against FP32 and fp16 at the same point, with its step's phases."""
-    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    idx = _index(rows)
     lines = ["| model | profile | nodes | method | FP32 img/s | fp16 img/s | TernGrad img/s | TernGrad/FP32 | "
              "TernGrad/fp16 | TernGrad step: encode / comm / decode / rest (ms) | "
              "wire bytes/step/node: FP32 / TernGrad |",
@@ -101,7 +106,7 @@ def ceiling_table(rows: list[dict]) -> str:
     reaches, and the CPU time a worker spends on a step (for TernGrad also its coding's: statistics, codes,
     owners' replies, decoding; the last step of each timing). Where nodes share cores, CPU a worker spends
     beyond local's is compute taken from the others."""
-    idx = {(r["model"], r["profile"], r["nodes"], _method(r)): r for r in rows}
+    idx = _index(rows)
     lines = ["| model | profile | nodes | method | img/s | share of local | CPU ms/step/worker: training thread + "
              "others | CPU beyond local | of which TernGrad's coding |",
              "|---|---|---:|---|---:|---:|---|---:|---:|"]
