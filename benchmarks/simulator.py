@@ -5,22 +5,16 @@ workers need on a machine with 2 cores.
     for each step: grads = [worker r's gradients, in the model's parameter order, for r in range(8)]
                    sim.average(grads) -> the gradients every worker's optimizer applies
 
-Each simulated rank has its own TernGradEngine, as each real rank has (its Philox stream, its error-feedback
-residuals, its owner residuals). A step does what the optimizer and Horovod do, in their order:
-- the optimizer's buckets (hvd_terngrad.buckets.plan_buckets), each prepared on every rank;
-- with shared scalers, the Max of the ranks' scaler vectors (Horovod's Max allreduce);
-- the bucket's transport from the one table (hvd_terngrad.transports), its payload encoded on every rank
-  and exchanged as the collective would: payloads concatenated in rank order (allgather), code values
-  summed (the summed transports: integers, exact in any order), shard j of every rank's stream to owner j
-  and the owners' replies concatenated (sharded, sharded-ternary); then decoded once, since every rank
-  decodes the same bytes;
-- float pass-through tensors summed in the order of Open MPI's recursive doubling, ((g0 + g1) + (g2 + g3))
-  ..., then scaled by 1/N in double as Horovod's Average does. Open MPI takes that order for small
-  payloads on a power-of-two number of ranks; other cases may differ from a real job in the last bit of
-  those tensors only.
+Each simulated rank runs the library's own pipeline (hvd_terngrad.pipeline) over loopback collectives
+(hvd_terngrad.collectives.loopback), as each real rank runs it over Horovod's: its Philox stream, its
+error-feedback residuals, its owner residuals. A step does what the optimizer does, in its order:
+- the optimizer's buckets (hvd_terngrad.buckets.plan_buckets), each through every rank's pipeline, keyed as
+  the optimizer keys them; every rank decodes the same bytes, so rank 0's decode serves all;
+- float pass-through tensors averaged by the loopback as Horovod's Average over MPI does (in the order of
+  recursive doubling, then times 1/N in double; collectives.loopback.horovod_average).
 
-tests/test_simulator.py holds it to real horovodrun jobs of 2 and 4 ranks: the same parameters, bit for bit,
-for every transport.
+tests/test_frontends.py holds it to the golden parameters of real horovodrun jobs of 2 and 4 ranks, bit for
+bit, for every transport.
 """
 from __future__ import annotations
 
@@ -28,8 +22,9 @@ import torch
 
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from hvd_terngrad.engine import NonFiniteGradientError, TernGradEngine
-from hvd_terngrad.transports import Allgather, Sharded, Summed, resolve_transport
+from hvd_terngrad.collectives.loopback import LoopbackWorld
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.pipeline import Pipeline, exchange
 
 
 class SimulatedWorkers:
@@ -44,7 +39,8 @@ class SimulatedWorkers:
         named = [(name, p) for name, p in named_parameters if p.requires_grad]
         self.names = [name for name, _ in named]
         self.config, self.n = config, n
-        self.engines = [TernGradEngine(config, r, n) for r in range(n)]
+        self.comms = LoopbackWorld(n, timeout_s=config.timeout_s).ranks()
+        self.pipes = [Pipeline(config, c) for c in self.comms]
         self.buckets, self.floats = plan_buckets([(name, p.numel(), p.element_size()) for name, p in named],
                                                  config, bucket_bytes)
 
@@ -59,47 +55,29 @@ class SimulatedWorkers:
         try:
             bad = []
             for k, members in enumerate(self.buckets):
-                avgs, nonfinite = self._bucket(k, members, grads)
-                bad += nonfinite
-                for i, avg in zip(members, avgs):
+                named = [[(self.names[i], grads[r][i]) for i in members] for r in range(self.n)]
+                groups, avgs = exchange(self.pipes, f"bucket.{k}", named, decode_ranks=(0,))
+                bad += [it.name for it in self.pipes[0].nonfinite(groups[0])]
+                for i, avg in zip(members, avgs[0]):
                     out[i] = avg.view(grads[0][i].shape).to(grads[0][i].dtype)
-            for i in self.floats:
-                out[i] = horovod_average([g[i] for g in grads])
-                if not bool(torch.isfinite(out[i]).all()):
-                    bad.append(self.names[i])
+            bad += self._floats(grads, out)
             if bad:
-                raise NonFiniteGradientError(f"simulated step {self.engines[0].step}: non-finite average in "
+                raise NonFiniteGradientError(f"simulated step {self.pipes[0].step}: non-finite average in "
                                              f"{bad[0]!r}")
         finally:
-            for e in self.engines:
-                e.next_step()
+            for p in self.pipes:
+                p.next_step()
         return out
 
-    def _bucket(self, k: int, members: list[int], grads) -> tuple[list[torch.Tensor], list[str]]:
-        cfg, n = self.config, self.n
-        items = [[e.prepare(self.names[i], grads[r][i]) for i in members] for r, e in enumerate(self.engines)]
-        if cfg.share_scaler:
-            reduced = torch.stack([e.scaler_vector(it) for e, it in zip(self.engines, items)]).max(dim=0).values
-            for e, it in zip(self.engines, items):
-                e.apply_shared(it, reduced)
-        t = resolve_transport(cfg.transport, sum(it.numel for it in items[0]), n, int8=True, link=cfg.link())
-        payloads = [t.encode(e, it) for e, it in zip(self.engines, items)]
-        key = f"bucket.{k}"  # the optimizer's name of the group, which keys an owner's draw
-        if isinstance(t, Sharded):
-            received = torch.cat([t.owner_reply(t.owner_rows(payloads, j), payloads[j], j, n, key) for j in range(n)])
-        elif isinstance(t, Summed):  # integers: exact in the payload's dtype, whatever the order
-            received = torch.stack(payloads).sum(dim=0, dtype=payloads[0].dtype)
-        elif isinstance(t, Allgather):
-            received = torch.cat(payloads)
-        else:
-            raise ValueError(f"the simulator does not know transport {t.name!r}")
-        avgs = t.decode(self.engines[0], items[0], received)
-        return avgs, [it.name for it in self.engines[0].nonfinite(items[0])]
-
-
-def horovod_average(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Horovod's Average over MPI: a Sum allreduce, here in recursive doubling's order, then times 1/N."""
-    level = list(tensors)
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
-    return (level[0].double() * (1.0 / len(tensors))).to(tensors[0].dtype)
+    def _floats(self, grads, out) -> list[str]:
+        """The float pass-through tensors, averaged as Horovod does; the names of those non-finite."""
+        bad = []
+        for i in self.floats:
+            handles = [c.average_async_(grads[r][i].clone(), name=f"float.{self.names[i]}")
+                       for r, c in enumerate(self.comms)]
+            out[i] = self.comms[0].wait(handles[0], f"the float average of {self.names[i]!r}")
+            for c, h in zip(self.comms[1:], handles[1:]):
+                c.wait(h, "")
+            if not bool(torch.isfinite(out[i]).all()):
+                bad.append(self.names[i])
+        return bad

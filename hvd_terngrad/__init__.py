@@ -6,21 +6,17 @@
     # or, with buckets, overlap and skip-on-NaN:
     opt = hvd_terngrad.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 
-The codec (hvd_terngrad.codec), the options (TernGradConfig) and the engine import without Horovod;
-TernGrad and DistributedOptimizer import horovod.torch when first used.
+The codec (hvd_terngrad.codec), the options (TernGradConfig), the exchange pipeline (hvd_terngrad.pipeline)
+and its in-process collectives import without Horovod; TernGrad and DistributedOptimizer import horovod.torch
+when first used.
 """
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.engine import (
-    CollectiveTimeoutError,
-    NonFiniteGradientError,
-    PayloadMismatchError,
-    TernGradEngine,
-    TernGradError,
-)
+from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError, PayloadMismatchError, TernGradError
+from hvd_terngrad.pipeline import Pipeline
 from hvd_terngrad.stats import StepStats
 
 __version__ = "0.1.0"
-__all__ = ["TernGrad", "DistributedOptimizer", "TernGradConfig", "TernGradEngine", "StepStats", "TernGradError",
+__all__ = ["TernGrad", "DistributedOptimizer", "TernGradConfig", "Pipeline", "StepStats", "TernGradError",
            "NonFiniteGradientError", "PayloadMismatchError", "CollectiveTimeoutError"]
 
 

@@ -25,22 +25,10 @@ import torch
 from horovod.torch.compression import Compressor
 
 from hvd_terngrad import hierarchy
-from hvd_terngrad.collectives import HorovodCollectives, describe_process_set, process_set_id
+from hvd_terngrad.collectives.horovod import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.engine import Item, TernGradEngine
-from hvd_terngrad.transports import TRANSPORTS, resolve_transport
-
-
-class _Coded:
-    """A coded tensor in flight: its transport, the collective's handle and the engine's items."""
-
-    __slots__ = ("transport", "handle", "items")
-
-    def __init__(self, transport, handle, items: list[Item]):
-        self.transport = transport
-        self.handle = handle
-        self.items = items
-
+from hvd_terngrad.pipeline import Group, Pipeline
+from hvd_terngrad.transports import TRANSPORTS
 
 _PASS = object()
 
@@ -53,6 +41,9 @@ class TernGrad(Compressor):
     config / **options: a TernGradConfig, or its fields as keywords (clip=2.5, share_scaler=True,
         min_numel=1024, exclude=(), seed=0, error_feedback=False, backend="auto", ...).
     process_set: the Horovod process set the gradients are averaged over (default: all ranks).
+
+    The compressor talks to its peers only once connected: connect() binds it to its process set, and its
+    first compress() connects it if nothing did before (hvd_terngrad's optimizer connects it when built).
     """
 
     def __init__(self, named_parameters=None, config: TernGradConfig | None = None, process_set=None, **options):
@@ -61,8 +52,7 @@ class TernGrad(Compressor):
         self.config = config if config is not None else TernGradConfig(**options)
         self._named = list(named_parameters) if named_parameters is not None else None
         self._process_set = process_set  # None: not chosen yet (the global set, or the optimizer's)
-        self._engine: TernGradEngine | None = None
-        self._comm: HorovodCollectives | None = None
+        self._pipeline: Pipeline | None = None
         self._world: HorovodCollectives | None = None
         self._hierarchy: hierarchy.Hierarchy | None = None
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
@@ -76,60 +66,63 @@ class TernGrad(Compressor):
         two would wait on each other's collectives forever."""
         if self._named is None:
             self._named = list(named_parameters)
-        mine = self._comm.process_set if self._comm is not None else self._process_set
+        mine = self._world.process_set if self._world is not None else self._process_set
         if mine is None:
             self._process_set = process_set
         elif process_set_id(mine) != process_set_id(process_set):
             raise ValueError(f"the TernGrad compressor works on {describe_process_set(mine)} but the optimizer on "
                              f"{describe_process_set(process_set)}: pass the same process_set= to both")
 
-    @property
-    def engine(self) -> TernGradEngine:
-        if self._engine is None:
-            t = HorovodCollectives(self._process_set, timeout_s=self.config.timeout_s)
-            if process_set_id(t.process_set) != 0 and not t.process_set.included():
-                raise ValueError(f"rank {hvd.rank()} is not in {describe_process_set(t.process_set)}, the TernGrad "
-                                 f"compressor's: pass the optimizer's process_set= to TernGrad")
-            self._world = t
-            if self.config.hierarchical:
-                if process_set_id(t.process_set) != 0:
-                    raise ValueError("hierarchical=True works on the global process set: its nodes are Horovod's")
-                self._hierarchy = hierarchy.discover(self.config.timeout_s)
-                topo = self._hierarchy.topology
-                self._engine = TernGradEngine(self.config, topo.node, topo.nodes)
-                t = self._hierarchy.cross or t  # one node: nothing is coded
-            else:
-                self._engine = TernGradEngine(self.config, t.rank, t.size)
-            hier = (self._hierarchy.local, self._hierarchy.cross) if self._hierarchy else ()
-            for c in (self._world, t, *hier):  # every collective counts its traffic into the engine's stats
-                if c is not None:
-                    c.stats = self._engine.stats
-            self._comm = t
-        return self._engine
+    def connect(self) -> Pipeline:
+        """Bind to the process set and make this rank's pipeline (once). With hierarchical=True this discovers
+        the nodes: an allgather over all ranks and process-set registrations, so every rank must connect, in
+        the same order as any other process-set registration."""
+        if self._pipeline is not None:
+            return self._pipeline
+        world = HorovodCollectives(self._process_set, timeout_s=self.config.timeout_s)
+        if process_set_id(world.process_set) != 0 and not world.process_set.included():
+            raise ValueError(f"rank {hvd.rank()} is not in {describe_process_set(world.process_set)}, the TernGrad "
+                             f"compressor's: pass the optimizer's process_set= to TernGrad")
+        if self.config.hierarchical:
+            if process_set_id(world.process_set) != 0:
+                raise ValueError("hierarchical=True works on the global process set: its nodes are Horovod's")
+            self._hierarchy = hierarchy.discover(self.config.timeout_s)
+            topo = self._hierarchy.topology
+            # between the nodes (one node: nothing is coded, and the world stands in)
+            pipe = Pipeline(self.config, self._hierarchy.cross or world, rank=topo.node, size=topo.nodes)
+            if self._hierarchy.local is not None:
+                self._hierarchy.local.stats = pipe.stats
+        else:
+            pipe = Pipeline(self.config, world, blocking_ok=False)
+        world.stats = pipe.stats  # every collective counts its waits into the pipeline's stats
+        self._world, self._pipeline = world, pipe
+        return pipe
 
     @property
-    def collectives(self) -> HorovodCollectives:
-        """The collectives this compressor's engine codes over (created with the engine): the optimizer's
-        process set, or with hierarchical=True the cross set of this rank's local index."""
-        self.engine  # noqa: B018  (creates both)
-        return self._comm
+    def pipeline(self) -> Pipeline:
+        """This rank's pipeline: the process set's, or with hierarchical=True the one between the nodes."""
+        return self._connected()._pipeline
 
     @property
     def world(self) -> HorovodCollectives:
         """The collectives over the whole process set, for what passes through uncoded."""
-        self.engine  # noqa: B018
-        return self._world
+        return self._connected()._world
 
     @property
     def hierarchy(self) -> hierarchy.Hierarchy | None:
         """With hierarchical=True, this rank's node and its process sets; else None."""
-        self.engine  # noqa: B018
-        return self._hierarchy
+        return self._connected()._hierarchy
 
     @property
     def stats(self):
         """StatsRecorder: .last is the last finished step (StepStats), .history the recent ones."""
-        return self.engine.stats
+        return self.pipeline.stats
+
+    def _connected(self) -> TernGrad:
+        if self._pipeline is None:
+            raise RuntimeError("this TernGrad compressor is not connected yet: its first compress() connects it, "
+                               "or call connect() (a collective with hierarchical=True) on every rank")
+        return self
 
     def _name_of(self, tensor: torch.Tensor) -> str:
         if self._named is not None:
@@ -150,34 +143,35 @@ class TernGrad(Compressor):
 
     # ------------------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
-        if self.config.hierarchical:
-            raise ValueError("hierarchical=True needs hvd_terngrad.DistributedOptimizer, which codes whole buckets "
-                             "between nodes; the stock hvd.DistributedOptimizer hands TernGrad one tensor at a time")
-        eng = self.engine
-        if self.config.on_nonfinite == "skip":
-            raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "
-                             "optimizer step; the stock hvd.DistributedOptimizer can only raise")
-        if self.config.transport != "auto" and not TRANSPORTS[self.config.transport].stock_ok:
-            raise ValueError(f"transport={self.config.transport!r} needs hvd_terngrad.DistributedOptimizer (a "
-                             f"blocking collective); use transport='summed' with the stock optimizer")
-        if self.config.exclude and self._named is None:
-            raise ValueError("exclude= matches parameter names: with the stock hvd.DistributedOptimizer pass "
-                             "named_parameters to TernGrad(model.named_parameters(), ...)")
+        self._check_stock_options()
+        pipe = self.connect()
         name = self._name_of(tensor)
         self._calls += 1
-        eng.check_dtype(name, tensor)
+        pipe.coder.check_dtype(name, tensor)
         if not self.config.compresses(name, tensor.numel()):
-            eng.stats.add_float(tensor.numel() * tensor.element_size(), eng.size)
+            pipe.stats.add_float(tensor.numel() * tensor.element_size(), pipe.size)
             return tensor, _PASS
-        items = [eng.prepare(name, tensor)]
+        g = pipe.start(name, [(name, tensor)], what=repr(name), send_when_shared=False)
         if self.config.share_scaler:
-            reduced = self._comm.max_allreduce(eng.scaler_vector(items), name=f"terngrad.scaler.{name}",
-                                                    what=f"the scaler Max allreduce of {name!r}")
-            eng.apply_shared(items, reduced)
-            eng.raise_nonfinite(items)
-        t = resolve_transport(self.config.transport, tensor.numel(), eng.size, int8=False, link=self.config.link())
-        ctx = _Coded(t, t.start(self._comm, t.encode(eng, items), name), items)
-        return torch.zeros(1, dtype=torch.float32, device=tensor.device), ctx
+            pipe.share(g)
+            pipe.coder.raise_nonfinite(g.items)
+        pipe.send(g)
+        return torch.zeros(1, dtype=torch.float32, device=tensor.device), g
+
+    def _check_stock_options(self) -> None:
+        cfg = self.config
+        if cfg.hierarchical:
+            raise ValueError("hierarchical=True needs hvd_terngrad.DistributedOptimizer, which codes whole buckets "
+                             "between nodes; the stock hvd.DistributedOptimizer hands TernGrad one tensor at a time")
+        if cfg.on_nonfinite == "skip":
+            raise ValueError("on_nonfinite='skip' needs hvd_terngrad.DistributedOptimizer, which owns the "
+                             "optimizer step; the stock hvd.DistributedOptimizer can only raise")
+        if cfg.transport != "auto" and not TRANSPORTS[cfg.transport].stock_ok:
+            raise ValueError(f"transport={cfg.transport!r} needs hvd_terngrad.DistributedOptimizer (a "
+                             f"blocking collective); use transport='summed' with the stock optimizer")
+        if cfg.exclude and self._named is None:
+            raise ValueError("exclude= matches parameter names: with the stock hvd.DistributedOptimizer pass "
+                             "named_parameters to TernGrad(model.named_parameters(), ...)")
 
     def decompress(self, tensor: torch.Tensor, ctx):
         if ctx is None:  # a sparse gradient: Horovod averaged it without calling compress()
@@ -185,14 +179,14 @@ class TernGrad(Compressor):
         try:
             if ctx is _PASS:
                 return tensor
-            eng = self.engine
-            received = ctx.transport.finish(self._comm, ctx.handle, repr(ctx.items[0].name))
-            (avg,) = ctx.transport.decode(eng, ctx.items, received)
-            eng.raise_nonfinite(ctx.items)
-            it = ctx.items[0]
+            pipe = self.pipeline
+            g: Group = ctx
+            (avg,) = pipe.finish(g)
+            pipe.coder.raise_nonfinite(g.items)
+            it = g.items[0]
             return avg.view(it.shape).to(it.dtype)
         finally:
             self._done += 1
             if self._done == self._calls:  # the stock synchronize() compresses everything before decoding
                 self._calls = self._done = 0
-                self.engine.next_step()
+                self.pipeline.next_step()

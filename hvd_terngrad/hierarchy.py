@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common import process_sets as _process_sets
 
-from hvd_terngrad.collectives import HorovodCollectives
+from hvd_terngrad.collectives.horovod import HorovodCollectives
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,12 @@ import torch
 
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
-from hvd_terngrad.engine import Item, NonFiniteGradientError
-from hvd_terngrad.transports import resolve_transport
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.pipeline import Group, Stage
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "coded", "items", "state", "node_handles", "scaler_handle", "handle",
-                 "transport")
+    __slots__ = ("index", "params", "ready", "coded", "node_handles", "group")
 
     def __init__(self, index: int, params: list):
         self.index = index
@@ -43,12 +42,12 @@ class _Bucket:
     def reset(self):
         self.ready = set()
         self.coded = []  # the params coded this step, in bucket order: those whose gradient is not sparse
-        self.items: list[Item] = []
-        self.state = "idle"  # idle -> [node ->] scaler -> gather -> idle
-        self.node_handles = []  # hierarchical: the float averages inside the node
-        self.scaler_handle = None
-        self.handle = None  # of the codes' collective
-        self.transport = None
+        self.node_handles = []  # hierarchical: the float averages inside the node, while in flight
+        self.group: Group | None = None  # in the pipeline (where this rank codes it)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.node_handles) or (self.group is not None and self.group.stage is not Stage.DONE)
 
 
 class _TernGradOptimizer(torch.optim.Optimizer):
@@ -77,8 +76,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
         self._tg = compression
         compression.bind(named, process_set)
-        self._engine = compression.engine
-        self._comm = compression.collectives  # what codes travel over
+        self._pipe = compression.connect()  # what codes travel through
         self._world = compression.world  # what passes through uncoded travels over
         self._hier = compression.hierarchy
         self._cfg = compression.config
@@ -146,17 +144,17 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._bucket_member_ready(b, p)
                 return
             self._densified[p] = p.grad.to_dense()
-        self._engine.check_dtype(name, self._grad(p))
+        self._pipe.coder.check_dtype(name, self._grad(p))
         if b is None:
             g = self._grad(p)
-            self._engine.stats.add_float(g.numel() * g.element_size(), self._world.size)
+            self._pipe.stats.add_float(g.numel() * g.element_size(), self._world.size)
             self._float_handles[p] = self._world.average_async_(g, name=f"terngrad.float.{name}")
             return
         self._bucket_member_ready(b, p)
 
     def _send_sparse(self, p, name: str):
         g = p.grad
-        self._engine.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
+        self._pipe.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
                                      self._world.size)
         self._sparse_handles[p] = self._world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
@@ -172,7 +170,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if self._hier is not None and self._hier.local is not None:
             b.node_handles = [self._hier.local.average_async_(self._grad(q), name=f"terngrad.node.{self._name_of[q]}")
                               for q in b.coded]
-            b.state = "node"
             return
         self._code(b)
 
@@ -181,46 +178,26 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         for q, h in zip(b.coded, b.node_handles):
             self._hier.local.wait(h, f"the node average of {self._name_of[q]!r}")
         b.node_handles = []
-        b.state = "idle"
         self._code(b)
 
     def _code(self, b: _Bucket):
-        """Share the bucket's scalers and start its transport (hierarchical: only where this rank codes it)."""
+        """Start the bucket through the pipeline (hierarchical: only where this rank codes it)."""
         if self._hier is not None and not self._hier.codes(b.index):
             return
-        b.items = [self._engine.prepare(self._name_of[q], self._grad(q)) for q in b.coded]
-        if self._cfg.share_scaler:
-            b.scaler_handle = self._comm.max_allreduce_async(self._engine.scaler_vector(b.items),
-                                                                  name=f"terngrad.scalers.{b.index}")
-            b.state = "scaler"
-        else:
-            self._send(b)
-
-    def _send(self, b: _Bucket, reduced=None):
-        if reduced is not None:
-            self._engine.apply_shared(b.items, reduced)
-        t = b.transport = resolve_transport(self._cfg.transport, sum(it.numel for it in b.items), self._engine.size,
-                                            int8=True, link=self._cfg.link())
-        b.handle = t.start(self._comm, t.encode(self._engine, b.items), f"bucket.{b.index}")
-        b.state = "gather"
+        b.group = self._pipe.start(f"bucket.{b.index}", [(self._name_of[q], self._grad(q)) for q in b.coded],
+                                   what=self._what_bucket(b))
 
     def _progress(self):
         for b in self._buckets:
-            if b.state == "node" and all(self._hier.local.poll(h) for h in b.node_handles):
+            if b.node_handles and all(self._hier.local.poll(h) for h in b.node_handles):
                 self._node_averaged(b)
-            if b.state == "scaler" and self._comm.poll(b.scaler_handle):
-                self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
-            elif b.state == "gather":
-                b.transport.advance(self._comm, b.handle, self._what_bucket(b), block=False)
+            if b.group is not None:
+                self._pipe.progress(b.group)
 
-    def _what(self, collective: str, b: _Bucket) -> str:
-        return f"the {collective} of {self._what_bucket(b)}"
-
-    @staticmethod
-    def _what_bucket(b: _Bucket) -> str:
+    def _what_bucket(self, b: _Bucket) -> str:
         """A bucket in an error: named by its first tensor, the one a user can look for."""
-        more = f" and {len(b.items) - 1} more" if len(b.items) > 1 else ""
-        return f"bucket {b.index} ({b.items[0].name!r}{more})"
+        more = f" and {len(b.coded) - 1} more" if len(b.coded) > 1 else ""
+        return f"bucket {b.index} ({self._name_of[b.coded[0]]!r}{more})"
 
     # ------------------------------------------------------------------------------------------
     def synchronize(self):
@@ -232,18 +209,17 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 if p not in self._fired:
                     self._ready(p)
             for b in self._buckets:
-                if b.state == "node":
+                if b.node_handles:
                     self._node_averaged(b)
-            for b in self._buckets:
-                if b.state == "scaler":
-                    self._send(b, self._comm.wait(b.scaler_handle, self._what("scaler Max allreduce", b)))
-            for b in self._buckets:  # every bucket's next collective in flight before any wait for a result
-                if b.items:
-                    b.transport.advance(self._comm, b.handle, self._what_bucket(b), block=True)
-            bad: list[Item] = []
-            for b in self._buckets:
-                if b.items:
-                    bad += self._finish_bucket(b)
+            groups = [b for b in self._buckets if b.group is not None]
+            for b in groups:  # scalers shared and transports started, in bucket order
+                if b.group.stage is Stage.SCALER:
+                    self._pipe.progress(b.group, block=True)
+            for b in groups:  # every bucket's next collective in flight before any wait for a result
+                self._pipe.progress(b.group, block=True)
+            bad = []
+            for b in groups:
+                bad += self._finish_bucket(b)
             float_bad = []
             if self._hier is not None and self._hier.local is not None:
                 if self._hier.cross is None:  # one node: its float average is the whole exchange
@@ -277,16 +253,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             if bad or float_bad:
                 if self._cfg.on_nonfinite == "skip":
                     self._skip_next_step = True
-                    self._engine.stats.current.skipped = True
+                    self._pipe.stats.current.skipped = True
                     return
-                self._engine.raise_nonfinite(bad)
+                self._pipe.coder.raise_nonfinite(bad)
                 raise NonFiniteGradientError(
                     f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at step "
-                    f"{self._engine.step} on rank {self._world.rank}; every rank sees the same average")
+                    f"{self._pipe.step} on rank {self._world.rank}; every rank sees the same average")
         finally:
-            self._engine.next_step()
+            self._pipe.next_step()
 
-    def _node_broadcast(self, bad: list[Item]) -> list[str]:
+    def _node_broadcast(self, bad: list) -> list[str]:
         """Hierarchical: each bucket's decoded average from the rank that coded it to the rest of its node;
         the names of the coded tensors whose average is non-finite, the same on every rank."""
         # The coder knows a non-finite average from the scalers and fills it with NaN; any other decoded average
@@ -305,17 +281,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 names.append(self._name_of[q])
         return names
 
-    def _finish_bucket(self, b: _Bucket) -> list[Item]:
+    def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
         grads = [self._grad(p) for p in b.coded]
         # decode straight into fp32 gradients; other dtypes are converted below
         direct = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous() else None for g in grads]
-        received = b.transport.finish(self._comm, b.handle, self._what_bucket(b))
-        outs = b.transport.decode(self._engine, b.items, received, outs=direct)
+        outs = self._pipe.finish(b.group, outs=direct)
         for g, out in zip(grads, outs):
             if out.data_ptr() != g.data_ptr():
                 g.copy_(out.view(g.shape))
-        return self._engine.nonfinite(b.items)
+        return self._pipe.nonfinite(b.group)
 
     @contextmanager
     def skip_synchronize(self):
@@ -338,7 +313,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        if self._fired or any(b.state != "idle" for b in self._buckets):
+        if self._fired or any(b.busy for b in self._buckets):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
                                  "race condition.")

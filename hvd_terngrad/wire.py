@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hvd_terngrad.errors import PayloadMismatchError as PayloadMismatch
+
 MAGIC = b"TG"
 VERSION = 1
 VERSION_BLOCKS = 2  # block scalers
@@ -35,7 +37,7 @@ HEADER = struct.Struct("<2sBBIQfI")
 HEADER_V2 = struct.Struct("<2sBBIQII")  # offset 16: block_size
 HEADER_SIZE = HEADER.size  # 24, both versions
 # A coded tensor's entry in the scaler Max allreduce (share_scaler=True): [scaler, non-finite rank + 1, tag,
-# -tag] as fp32, see engine.scaler_vector.
+# -tag] as fp32, see pipeline.scaler_vector.
 SCALER_ENTRY_BYTES = 16
 
 
@@ -96,10 +98,6 @@ class Header:
         return HEADER.pack(MAGIC, VERSION, self.flags, self.tag, self.numel, self.scaler, self.step & 0xFFFFFFFF)
 
 
-class PayloadMismatch(RuntimeError):
-    """Ranks sent records that do not belong together: another tensor, size, step or format."""
-
-
 def write_header(record: torch.Tensor, header: Header) -> None:
     """Write header bytes into the first HEADER_SIZE bytes of a uint8 record view."""
     raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
@@ -124,7 +122,7 @@ def check_header(raw: bytes, *, name: str, src_rank: int, my_rank: int, tag: int
                  block_size: int = 0) -> Header:
     """Validate one received header against what this rank expects; raise PayloadMismatch otherwise."""
     magic, version, h = parse_header(raw)
-    where = f"tensor {name!r}: the record from rank {src_rank} (checked on rank {my_rank})"
+    where = f"hvd_terngrad: tensor {name!r}: the record from rank {src_rank} (checked on rank {my_rank})"
     if magic != MAGIC:
         raise PayloadMismatch(f"{where} has no TernGrad magic ({magic!r}): corrupt payload or a rank not "
                               f"running TernGrad")

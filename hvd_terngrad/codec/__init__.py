@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_terngrad.codec import cpu, reference
+from hvd_terngrad.errors import CorruptPayload  # noqa: F401  (raised here; its home is errors)
 from hvd_terngrad.wire import codes_size, sum_bits, sums_size
 
 BACKENDS = ("auto", "cpu", "cuda", "reference")
@@ -202,10 +203,6 @@ def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, 
     return values
 
 
-class CorruptPayload(ValueError):
-    """Codes that no encoder writes: 0b11, or a non-zero padding code."""
-
-
 def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> torch.Tensor:
     """Checks every rank's packed codes of n elements; the fp32 destination (`out`, checked, or a new one)."""
     nbytes = codes_size(n)
@@ -321,3 +318,43 @@ def decode_packed_sums_blocks(packed: torch.Tensor, nranks: int, start: int, n: 
     tensor's block (first + i) // block_size (first: the tensor element at stream element start)."""
     sums = decode_packed_sums(packed, nranks, start, n, float(nranks), out=out, backend=backend, nthreads=nthreads)
     return scale_blocks_(sums, scalers / nranks, block_size, start=first)  # the sums times fl32(N / N) = 1, exact
+
+
+class Codec:
+    """The codec bound once to a backend and a thread count: the functions above without backend= and
+    nthreads=."""
+
+    __slots__ = ("backend", "nthreads")
+
+    def __init__(self, backend: str = "auto", nthreads: int | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown codec backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+        self.backend, self.nthreads = backend, nthreads
+
+    def moments(self, x):
+        return moments(x, self.backend, self.nthreads)
+
+    def moments_blocks(self, x, block_size):
+        return moments_blocks(x, block_size, self.backend, self.nthreads)
+
+    def ternarize_pack(self, x, scaler, key, out=None):
+        return ternarize_pack(x, scaler, key, out, self.backend, self.nthreads)
+
+    def ternarize_pack_blocks(self, x, scalers, block_size, key, out=None):
+        return ternarize_pack_blocks(x, scalers, block_size, key, out, self.backend, self.nthreads)
+
+    def decode_mean(self, codes, scalers, shared, n, out=None):
+        return decode_mean(codes, scalers, shared, n, out, self.backend, self.nthreads)
+
+    def decode_mean_blocks(self, codes, scalers, shared, n, block_size, out=None):
+        return decode_mean_blocks(codes, scalers, shared, n, block_size, out, self.backend, self.nthreads)
+
+    def sum_code_shards(self, shards, nranks):
+        return sum_code_shards(shards, nranks, self.backend, self.nthreads)
+
+    def decode_packed_sums(self, packed, nranks, start, n, scaler, out=None):
+        return decode_packed_sums(packed, nranks, start, n, scaler, out, self.backend, self.nthreads)
+
+    def decode_packed_sums_blocks(self, packed, nranks, start, n, scalers, block_size, first=0, out=None):
+        return decode_packed_sums_blocks(packed, nranks, start, n, scalers, block_size, first, out, self.backend,
+                                         self.nthreads)

@@ -1,0 +1,155 @@
+"""One rank's coding of its tensors: what a transport encodes with, and what survives from step to step.
+
+A Coder knows the options, this rank and the world size, the step, the error feedback and the stats; it never
+communicates. Its items are the tensors of one group on this rank. The pipeline (hvd_terngrad.pipeline) moves
+them through the collectives; each transport (hvd_terngrad.transports) lays their codes out on the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hvd_terngrad import codec
+from hvd_terngrad.config import TernGradConfig, payload_tag, tensor_id
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.feedback import ErrorFeedback
+from hvd_terngrad.stats import StatsRecorder
+from hvd_terngrad.wire import SCALER_ENTRY_BYTES
+
+
+@dataclass
+class Item:
+    """One tensor of one step on this rank."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    flat: torch.Tensor  # contiguous, 1-D, gradient (+ residual)
+    tag: int
+    tid: int
+    scaler: float  # local scaler, then the shared one once shared
+    nonfinite_rank: int  # -1 if every rank's tensor is finite (as far as known)
+    offset: int = 0  # where the transport put it: its own unit (bytes of a record, a stream, or elements)
+    scalers: torch.Tensor | None = None  # block_size: fp32 (CPU) per block, local then shared; `scaler` is their max
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+
+class Coder:
+    def __init__(self, config: TernGradConfig, rank: int, size: int, stats: StatsRecorder | None = None):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside world of size {size}")
+        self.config = config
+        self.rank = rank
+        self.size = size
+        self.step = 0
+        self.codec = codec.Codec(config.backend, config.num_threads)
+        self.feedback = ErrorFeedback()
+        self.stats = stats if stats is not None else StatsRecorder()
+        self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def next_step(self) -> None:
+        self.step += 1
+        self.stats.finish_step(self.step)
+
+    def key(self, item: Item) -> codec.RngKey:
+        return codec.RngKey(self.config.seed, self.step & 0xFFFFFFFF, self.rank, item.tid)
+
+    def check_dtype(self, name: str, grad: torch.Tensor) -> None:
+        if grad.dtype not in codec.SUPPORTED_DTYPES:
+            raise TypeError(f"hvd_terngrad: gradient of {name!r} on rank {self.rank} has dtype {grad.dtype}; "
+                            f"TernGrad codes fp32, fp64, fp16 and bf16 gradients")
+        if grad.is_sparse:
+            raise TypeError(f"hvd_terngrad: gradient of {name!r} on rank {self.rank} is sparse; "
+                            f"TernGrad codes dense gradients (use sparse_as_dense=True or exclude it)")
+
+    def prepare(self, name: str, grad: torch.Tensor) -> Item:
+        """The item of `grad`: its residual added, its moments and local scaler (or block scalers)."""
+        self.check_dtype(name, grad)
+        cfg = self.config
+        with self.stats.timed("encode"):
+            flat = grad.detach().reshape(-1)
+            flat = self.feedback.add(name, flat) if cfg.error_feedback else \
+                (flat if flat.is_contiguous() else flat.contiguous())
+            scalers = None
+            if cfg.block_size:
+                st, absmax = self.codec.moments_blocks(flat, cfg.block_size)
+                scalers = torch.zeros(absmax.numel()) if st.nonfinite else cfg.block_scalers(st, absmax.cpu())
+            else:
+                st = self.codec.moments(flat)
+            bad = st.nonfinite > 0
+        if bad:
+            scaler = 0.0
+        elif scalers is None:
+            scaler = cfg.scaler(st)
+        else:  # the tensor's entry in the scaler vector: its largest block scaler
+            scaler = float(scalers.max()) if scalers.numel() else 0.0
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
+                    tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
+                    scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
+
+    def codes(self, it: Item, out: torch.Tensor | None = None) -> torch.Tensor:
+        """it's packed codes (into out), with its scaler or block scalers."""
+        if it.scalers is not None:
+            return self.codec.ternarize_pack_blocks(it.flat, it.scalers, self.config.block_size, self.key(it), out=out)
+        return self.codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=out)
+
+    def code_into(self, it: Item, codes: torch.Tensor) -> None:
+        """Write it's packed codes into `codes` (all zero for a non-finite tensor); keep the residual."""
+        self.scalers_used[it.name] = it.scaler
+        if it.nonfinite_rank >= 0:
+            codes.zero_()
+            return
+        self.codes(it, out=codes)
+        if self.config.error_feedback:
+            self.keep_residual(it, self.codec.decode_mean([codes], [1.0], True, it.numel))
+
+    def code_values(self, it: Item) -> torch.Tensor | None:
+        """it's codes as fp32 values in {-1, 0, 1} (a scratch buffer), None for a non-finite tensor; keeps the
+        residual."""
+        self.scalers_used[it.name] = it.scaler
+        if it.nonfinite_rank >= 0:
+            return None
+        b = self.codec.decode_mean([self.codes(it)], [1.0], True, it.numel,
+                                   out=self.scratch(it.numel, it.flat.device))
+        if self.config.error_feedback:
+            self.keep_residual(it, b)
+        return b
+
+    def keep_residual(self, it: Item, b: torch.Tensor) -> None:
+        """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""
+        if it.scalers is not None:
+            sent = codec.scale_blocks_(b.clone(), it.scalers, self.config.block_size)
+        else:
+            sent = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
+        self.feedback.keep(it.name, it.flat, sent)
+
+    def scratch(self, n: int, device: torch.device, use: str = "values") -> torch.Tensor:
+        """A reused fp32 buffer per use: the values encoder's ±1 codes, or a shard owner's averages, would
+        otherwise be a fresh (page-faulting) allocation per tensor and step."""
+        buf = self._scratch.get(use)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = self._scratch[use] = torch.empty(n, dtype=torch.float32, device=device)
+        return buf[:n]
+
+    def scaler_bytes(self, it: Item) -> int:
+        """What a coded tensor adds to the scaler Max allreduce (share_scaler)."""
+        return SCALER_ENTRY_BYTES + (4 * it.scalers.numel() if it.scalers is not None else 0)
+
+    @staticmethod
+    def nonfinite(items: list[Item]) -> list[Item]:
+        return [it for it in items if it.nonfinite_rank >= 0]
+
+    def raise_nonfinite(self, items: list[Item]) -> None:
+        bad = self.nonfinite(items)
+        if bad:
+            it = bad[0]
+            names = ", ".join(repr(b.name) for b in bad[:5])
+            raise NonFiniteGradientError(
+                f"hvd_terngrad: non-finite (NaN/Inf) gradient in {it.name!r} on rank {it.nonfinite_rank} at step "
+                f"{self.step} (reported on rank {self.rank}; affected: {names}). Every rank raises this in the "
+                f"same step; pass on_nonfinite='skip' to hvd_terngrad.DistributedOptimizer to skip such steps.")

@@ -1,0 +1,42 @@
+"""Error feedback: what a rank's coding lost, added to its next gradient of the same tensor.
+
+TernGrad's codes are unbiased, but their variance grows with a tensor's scaler. Keeping the coding error
+r = (g + r) - s*b and adding it to the next step's gradient (Seide et al., Interspeech 2014; Karimireddy et
+al., ICML 2019) lets that error reach the model later instead of never. The price is one fp32 copy of every
+coded gradient. Two kinds are kept:
+- worker residuals, one per coded tensor of this rank (error_feedback=True);
+- owner residuals, one per bucket whose shard this rank owns under transport="sharded-ternary"
+  (owner_error_feedback=True): the error of the owner's second draw.
+A residual whose tensor changes size (another world size or bucket layout) is dropped, not misapplied.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ErrorFeedback:
+    __slots__ = ("worker", "owner")
+
+    def __init__(self):
+        self.worker: dict[str, torch.Tensor] = {}  # tensor name -> residual, flat, in the gradient's dtype
+        self.owner: dict[str, torch.Tensor] = {}  # bucket key -> residual of this rank's shard, fp32
+
+    def add(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """flat + its residual (a new tensor), or flat itself (contiguous) when there is none."""
+        kept = self.worker.get(name)
+        if kept is not None and kept.numel() == flat.numel():
+            return flat + kept
+        return flat if flat.is_contiguous() else flat.contiguous()
+
+    def keep(self, name: str, flat: torch.Tensor, sent: torch.Tensor) -> None:
+        """The residual of a coding of `flat` (gradient plus residual) that sent `sent` (fp32, s*b)."""
+        self.worker[name] = flat - sent.to(flat.dtype)
+
+    def add_owner(self, key: str, avg: torch.Tensor) -> None:
+        """An owner's average of its shard plus that shard's residual, in place (same layout only)."""
+        kept = self.owner.get(key)
+        if kept is not None and kept.numel() == avg.numel():
+            avg += kept
+
+    def keep_owner(self, key: str, avg: torch.Tensor, sent: torch.Tensor) -> None:
+        self.owner[key] = avg - sent

@@ -1,0 +1,189 @@
+"""The TernGrad exchange, written once: prepare -> share the scalers -> transport -> decode, over any Collectives.
+
+    pipe = Pipeline(config, comm)                  comm: Horovod, torch.distributed or loopback collectives
+    g = pipe.start("bucket.0", [(name, grad), ...])    prepare; the scaler Max allreduce starts (share_scaler)
+    pipe.progress(g)                               never blocks: moves g on where its collective is done
+    averages = pipe.finish(g)                      waits (at most timeout_s), decodes: fp32, flat, per tensor
+    pipe.next_step()
+
+A group is the tensors that travel together: one tensor for the stock Horovod compressor, a bucket for
+hvd_terngrad's optimizer and for DDP. Each rank's codes depend on (seed, step, rank, tensor name) and the
+shared scaler, not on how tensors are grouped, so the front ends agree bit for bit.
+
+Sharing the scalers: per tensor [s, f, t, -t] in one Max allreduce, f = rank + 1 where the tensor is non-finite
+and t the low 24 bits of its tag (exact in fp32). After the Max, every rank knows the shared scaler and which
+rank, if any, is non-finite; t != -(-t) means the ranks sent different tensors in that place. With block
+scalers, every tensor's block scalers follow, in item order.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from hvd_terngrad.coder import Coder, Item
+from hvd_terngrad.collectives import Collectives
+from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.errors import PayloadMismatchError
+from hvd_terngrad.transports import resolve_transport
+
+
+class Stage(enum.Enum):
+    SCALER = "sharing its scalers"  # the Max allreduce is in flight
+    SHARED = "ready to send"  # scalers known (or not shared); the transport has not started
+    SENDING = "in its transport"  # the transport's collectives are in flight
+    DONE = "finished"
+
+
+class Group:
+    """One group of tensors of one step on this rank, on its way through the pipeline."""
+
+    __slots__ = ("key", "items", "what", "stage", "send_when_shared", "scaler_handle", "transport", "handle")
+
+    def __init__(self, key: str, items: list[Item], what: str, send_when_shared: bool):
+        self.key = key  # names its collectives, the same on every rank; keys a sharded-ternary owner's draw
+        self.items = items
+        self.what = what  # the group in messages: its first tensor, the one a user can look for
+        self.stage = Stage.SHARED
+        self.send_when_shared = send_when_shared  # start the transport as soon as the scalers are shared
+        self.scaler_handle = None
+        self.transport = None
+        self.handle = None  # of the transport's collectives
+
+
+class Pipeline:
+    """One rank's TernGrad exchange over `comm` (rank and size default to comm's; hierarchical coding passes the
+    node's place among the nodes). blocking_ok: whether a transport whose collective blocks (summed-int8 under
+    Horovod) may be chosen; the stock compressor cannot wait in order and says no."""
+
+    def __init__(self, config: TernGradConfig, comm: Collectives, rank: int | None = None, size: int | None = None,
+                 blocking_ok: bool = True):
+        self.config = config
+        self.comm = comm
+        self.coder = Coder(config, comm.rank if rank is None else rank, comm.size if size is None else size)
+        self.blocking_ok = blocking_ok
+        comm.stats = self.coder.stats  # the waits count into this rank's stats
+
+    @property
+    def rank(self) -> int:
+        return self.coder.rank
+
+    @property
+    def size(self) -> int:
+        return self.coder.size
+
+    @property
+    def step(self) -> int:
+        return self.coder.step
+
+    @property
+    def stats(self):
+        return self.coder.stats
+
+    def next_step(self) -> None:
+        self.coder.next_step()
+
+    # ------------------------------------------------------------------------------------------
+    def start(self, key: str, named: list[tuple[str, torch.Tensor]], what: str | None = None,
+              send_when_shared: bool = True) -> Group:
+        """Prepare a group's tensors and start sharing their scalers; without sharing, start the transport
+        (unless send_when_shared is False: then send() does)."""
+        items = [self.coder.prepare(name, grad) for name, grad in named]
+        more = f" and {len(items) - 1} more" if len(items) > 1 else ""
+        g = Group(key, items, what or f"{items[0].name!r}{more}", send_when_shared)
+        if self.config.share_scaler:
+            g.scaler_handle = self.comm.max_allreduce_async(scaler_vector(items, self.config.block_size),
+                                                            name=f"terngrad.scalers.{key}")
+            g.stage = Stage.SCALER
+        elif send_when_shared:
+            self.send(g)
+        return g
+
+    def progress(self, g: Group, block: bool = False) -> bool:
+        """Move g on by what its finished collective allows (block: wait for it); whether it moved."""
+        if g.stage is Stage.SCALER:
+            if not (block or self.comm.poll(g.scaler_handle)):
+                return False
+            self.share(g)
+            if g.send_when_shared:
+                self.send(g)
+            return True
+        if g.stage is Stage.SENDING:
+            return g.transport.advance(self.comm, g.handle, g.what, block)
+        return False
+
+    def share(self, g: Group) -> None:
+        """Wait for g's scaler Max allreduce (at most timeout_s) and take the shared scalers."""
+        if g.stage is Stage.SCALER:
+            reduced = self.comm.wait(g.scaler_handle, f"the scaler Max allreduce of {g.what}")
+            apply_shared(g.items, reduced, self.config.block_size, self.coder)
+            g.scaler_handle = None
+            g.stage = Stage.SHARED
+
+    def send(self, g: Group) -> None:
+        """Encode g in its transport's layout and start the transport."""
+        self.share(g)
+        t = g.transport = resolve_transport(self.config.transport, sum(it.numel for it in g.items), self.size,
+                                            int8=self.blocking_ok, link=self.config.link())
+        g.handle = t.start(self.comm, t.encode(self.coder, g.items), g.key)
+        g.stage = Stage.SENDING
+
+    def finish(self, g: Group, outs: list[torch.Tensor | None] | None = None,
+               decode: bool = True) -> list[torch.Tensor] | None:
+        """Wait for g's transport (at most timeout_s a collective) and decode the averages (fp32, flat, into
+        `outs` where given). decode=False: only wait (a simulated rank whose decode another rank makes)."""
+        if g.stage is not Stage.SENDING:
+            self.send(g)
+        received = g.transport.finish(self.comm, g.handle, g.what)
+        g.stage = Stage.DONE
+        return g.transport.decode(self.coder, g.items, received, outs=outs) if decode else None
+
+    def nonfinite(self, g: Group) -> list[Item]:
+        """g's tensors that were non-finite on some rank (known on every rank once shared or decoded)."""
+        return self.coder.nonfinite(g.items)
+
+
+def scaler_vector(items: list[Item], block_size: int | None) -> torch.Tensor:
+    """Per tensor [s, f, t, -t] for the Max allreduce, then the block scalers (module docstring)."""
+    vals = []
+    for it in items:
+        t = float(it.tag & 0xFFFFFF)
+        vals += [it.scaler, float(it.nonfinite_rank + 1), t, -t]
+    head = torch.tensor(vals, dtype=torch.float32)
+    return torch.cat([head] + [it.scalers for it in items]) if block_size else head
+
+
+def apply_shared(items: list[Item], reduced: torch.Tensor, block_size: int | None, coder: Coder) -> None:
+    """The shared scalers and non-finite ranks from the reduced scaler vector, checked."""
+    reduced = reduced.cpu()
+    blocks = sum(it.scalers.numel() for it in items) if block_size else 0
+    if reduced.numel() != 4 * len(items) + blocks:
+        raise PayloadMismatchError(
+            f"hvd_terngrad: scaler vector of {reduced.numel()} values, expected {4 * len(items) + blocks} for "
+            f"{len(items)} tensors (rank {coder.rank}, first tensor {items[0].name!r}): ranks disagree on tensor "
+            f"groups or block_size")
+    vals = reduced[: 4 * len(items)].tolist()
+    off = 4 * len(items)
+    for it in items:
+        if it.scalers is not None:
+            it.scalers = reduced[off: off + it.scalers.numel()].clone()
+            off += it.scalers.numel()
+    for i, it in enumerate(items):
+        if vals[4 * i + 2] != -vals[4 * i + 3]:
+            raise PayloadMismatchError(
+                f"hvd_terngrad: tensor {it.name!r}: the ranks sent different tensors (name, shape or dtype) "
+                f"in the same place (checked on rank {coder.rank} at step {coder.step})")
+        it.scaler = vals[4 * i]
+        it.nonfinite_rank = int(vals[4 * i + 1]) - 1
+
+
+def exchange(pipes: list[Pipeline], key: str, named: list[list[tuple[str, torch.Tensor]]],
+             decode_ranks: tuple[int, ...] | None = None) -> tuple[list[Group], list[list[torch.Tensor] | None]]:
+    """One group through the pipelines of N in-process ranks (loopback collectives), in lockstep: every rank
+    starts, all move on until none can, all finish. Returns each rank's group and averages (None where a rank
+    is not in decode_ranks: every rank decodes the same bytes, so one decode can serve a simulation)."""
+    groups = [p.start(key, nm) for p, nm in zip(pipes, named)]
+    while any([p.progress(g) for p, g in zip(pipes, groups)]):  # a list: every rank moves each round
+        pass
+    return groups, [p.finish(g, decode=decode_ranks is None or r in decode_ranks)
+                    for r, (p, g) in enumerate(zip(pipes, groups))]
