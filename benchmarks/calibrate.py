@@ -12,7 +12,7 @@ On every (profile, N) cluster, one job of N ranks measures:
   takes such steps between its timed iterations (synthetic.py --compute-probe, ComputeProbe), and the
   model uses those: this machine's speed moves between jobs. An fp16 job's probe also times
   Compression.fp16's casts of every gradient, with training's allocations.
-- codec: the engine's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
+- codec: each transport's encode (stats, ternarize, pack) and decode (into the gradient) of buckets of 256K to
   16M elements, for each transport, all ranks at once (for the sharded transports also the owner's reply);
   and Horovod's fp16 compression (two casts).
 - collectives: the time of each collective the transports use (Horovod Average/Sum allreduce of fp32 and
@@ -193,95 +193,100 @@ def measure_compute(name: str, batch: int, reps: int) -> dict:
 
 
 def measure_codec(reps: int) -> dict:
-    """The engine's encode and decode of one bucket per transport, and Compression.fp16's two casts, all ranks
-    at once: seconds against bucket elements. The cost per element depends on the size (caches, and the page
-    faults of fresh allocations), so four sizes make a curve. Collective."""
-    import horovod.torch as hvd
-    import torch
-
-    from hvd_terngrad import TernGradConfig
-    from hvd_terngrad.engine import TernGradEngine
-
-    n, rank = hvd.size(), hvd.rank()
-    engines = [TernGradEngine(TernGradConfig(num_threads=1), r, n) for r in range(n)]
-    eng = engines[rank]
-    out = {}
-    for tname, dtype in (("allgather", None), ("summed", torch.float16), ("summed-int8", torch.int8),
-                         ("fp16", "cast")):
-        pts = []
-        for m in CODEC_SIZES:
-            grad, out_grad = torch.randn(m), torch.empty(m)
-            gathered = torch.cat([e.encode([e.prepare("cal", grad)]) for e in engines]) if dtype is None else None
-            enc, dec = [], []
-            for i in range(reps + 1):
-                hvd.barrier()
-                t0 = time.perf_counter()
-                if dtype == "cast":
-                    half = grad.type(torch.float16)
-                    t1 = time.perf_counter()
-                    out_grad.set_(half.type(torch.float32))
-                elif dtype is None:
-                    items = [eng.prepare("cal", grad)]
-                    eng.encode(items)
-                    t1 = time.perf_counter()
-                    eng.decode(items, gathered, outs=[out_grad])
-                else:
-                    items = [eng.prepare("cal", grad)]
-                    vals = eng.encode_values(items, dtype)
-                    t1 = time.perf_counter()
-                    eng.decode_sums(items, vals, outs=[out_grad])
-                t2 = time.perf_counter()
-                if i:
-                    enc.append(t1 - t0)
-                    dec.append(t2 - t1)
-            pts.append((m, slowest(enc), slowest(dec)))
-            del gathered
-        out[tname] = {"encode": [(m, e) for m, e, _ in pts], "decode": [(m, d) for m, _, d in pts]}
-    for tname in ("sharded", "sharded-ternary"):
-        out[tname] = _measure_sharded_codec(tname, engines, reps)
-    return out
-
-
-def _measure_sharded_codec(tname: str, engines: list, reps: int) -> dict:
-    """A sharded transport's three pieces of main-thread work per bucket, as the optimizer runs them: encode
-    (codes into the alltoall stream), owner (this rank's shard of every rank's codes into its reply) and
-    decode (every owner's reply into the gradient). The shards and replies it receives are made in-process
-    from every rank's engine. Collective."""
+    """Each transport's main-thread codec work on one bucket, as the pipeline runs it, and Compression.fp16's
+    two casts, all ranks at once: seconds against bucket elements. encode (the codes in the transport's
+    layout), owner (the sharded transports: this rank's shard of every rank's codes into its reply) and decode
+    (what the collective delivered into the gradient). What this rank receives comes from one exchange of the
+    same gradient through every rank's pipeline in this process (loopback collectives). The cost per element
+    depends on the size (caches, and the page faults of fresh allocations), so four sizes make a curve.
+    Collective."""
     import horovod.torch as hvd
     import torch
 
     from hvd_terngrad.transports import TRANSPORTS
 
-    t, rank, n = TRANSPORTS[tname], hvd.rank(), len(engines)
-    eng = engines[rank]
-    pts = []
+    out = {"fp16": _measure_casts(reps)}
+    for tname in ("allgather", "summed", "summed-int8", "sharded", "sharded-ternary"):
+        t, pts = TRANSPORTS[tname], []
+        for m in CODEC_SIZES:
+            grad, out_grad = torch.randn(m), torch.empty(m)
+            got = _received(tname, grad, hvd.size(), hvd.rank())
+            coder = _coder(tname, hvd.size(), hvd.rank())
+            enc, own, dec = [], [], []
+            for i in range(reps + 1):
+                hvd.barrier()
+                t0 = time.perf_counter()
+                items = [coder.prepare("cal", grad)]
+                payload = t.encode(coder, items)
+                t1 = time.perf_counter()
+                if "alltoall" in got:
+                    t.owner_reply(got["alltoall"].view(hvd.size(), -1), payload, "cal")
+                t2 = time.perf_counter()
+                t.decode(coder, items, got["result"], outs=[out_grad])
+                t3 = time.perf_counter()
+                if i:
+                    enc.append(t1 - t0)
+                    own.append(t2 - t1)
+                    dec.append(t3 - t2)
+            pts.append((m, slowest(enc), slowest(own), slowest(dec)))
+        out[tname] = {"encode": [(m, e) for m, e, _, _ in pts], "decode": [(m, d) for m, _, _, d in pts]}
+        if "alltoall" in got:
+            out[tname]["owner"] = [(m, o) for m, _, o, _ in pts]
+    return out
+
+
+def _measure_casts(reps: int) -> dict:
+    """Compression.fp16's two casts of a bucket, all ranks at once. Collective."""
+    import horovod.torch as hvd
+    import torch
+
+    enc, dec = [], []
     for m in CODEC_SIZES:
         grad, out_grad = torch.randn(m), torch.empty(m)
-        plans = []
-        for e in engines:  # every rank's stream, with the shared scaler of the same gradient
-            items = [e.prepare("cal", grad)]
-            plans.append((items, t.encode(e, items)))
-        payloads = [p for _, p in plans]
-        shards = t.owner_rows(payloads, rank)
-        replies = torch.cat([t.owner_reply(t.owner_rows(payloads, o), payloads[o], o, n, "cal") for o in range(n)])
-        enc, own, dec = [], [], []
+        e, d = [], []
         for i in range(reps + 1):
             hvd.barrier()
             t0 = time.perf_counter()
-            items = [eng.prepare("cal", grad)]
-            plan = t.encode(eng, items)
+            half = grad.type(torch.float16)
             t1 = time.perf_counter()
-            t.owner_reply(shards, plan, rank, n, "cal")
+            out_grad.set_(half.type(torch.float32))
             t2 = time.perf_counter()
-            t.decode(eng, items, replies, outs=[out_grad])
-            t3 = time.perf_counter()
             if i:
-                enc.append(t1 - t0)
-                own.append(t2 - t1)
-                dec.append(t3 - t2)
-        pts.append((m, slowest(enc), slowest(own), slowest(dec)))
-    return {"encode": [(m, e) for m, e, _, _ in pts], "owner": [(m, o) for m, _, o, _ in pts],
-            "decode": [(m, d) for m, _, _, d in pts]}
+                e.append(t1 - t0)
+                d.append(t2 - t1)
+        enc.append((m, slowest(e)))
+        dec.append((m, slowest(d)))
+    return {"encode": enc, "decode": dec}
+
+
+def _coder(tname: str, n: int, rank: int):
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.coder import Coder
+
+    return Coder(TernGradConfig(num_threads=1, transport=tname), rank, n)
+
+
+def _received(tname: str, grad, n: int, rank: int) -> dict:
+    """What rank `rank` receives when every one of n ranks sends `grad` through the pipeline with transport
+    `tname`, from one exchange over loopback collectives: {"result": the transport's last collective's output,
+    "alltoall": the code shards (sharded transports)}."""
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.collectives.loopback import LoopbackCollectives, LoopbackWorld
+    from hvd_terngrad.pipeline import Pipeline, exchange
+
+    got = {}
+
+    class Tap(LoopbackCollectives):
+        def wait(self, handle, what):
+            res = super().wait(handle, what)
+            got["alltoall" if handle.kind == "alltoall" else "result"] = res.clone()
+            return res
+
+    world = LoopbackWorld(n)
+    comms = [(Tap if r == rank else LoopbackCollectives)(world, r) for r in range(n)]
+    pipes = [Pipeline(TernGradConfig(num_threads=1, transport=tname), c) for c in comms]
+    exchange(pipes, "cal", [[("cal", grad)]] * n, decode_ranks=())
+    return got
 
 
 def _starter(kind: str, nbytes: int, transport):
@@ -295,7 +300,7 @@ def _starter(kind: str, nbytes: int, transport):
         buf = torch.zeros(nbytes, dtype=torch.int8)
 
         def blocking_sum(_i):
-            transport.int8_sum_(buf)
+            transport.wait(transport.int8_sum_async_(buf, name="cal.int8"), "the calibration's int8 sum")
             return []
         return blocking_sum
     if kind == "allgather_u8":
@@ -372,7 +377,7 @@ def _rank_main(args) -> None:
     import horovod.torch as hvd
     import torch
 
-    from hvd_terngrad.collectives import HorovodCollectives
+    from hvd_terngrad.collectives.horovod import HorovodCollectives
 
     hvd.init()
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 The emulated cluster's N nodes share this machine's cores and TCP stack, so benchmarks/calibrate.py measures
 its parts on it, without training: compute of N workers at once and when each gradient is ready within
-backward; the engine's encode/decode per transport; and each collective's time against payload size, alone
+backward; each transport's encode/decode; and each collective's time against payload size, alone
 and beside compute, plus how much it slows that compute.
 
 A step is replayed as a timeline (host_step_seconds): gradients become ready; one Horovod channel runs the

@@ -42,8 +42,10 @@ class TernGrad(Compressor):
         min_numel=1024, exclude=(), seed=0, error_feedback=False, backend="auto", ...).
     process_set: the Horovod process set the gradients are averaged over (default: all ranks).
 
-    The compressor talks to its peers only once connected: connect() binds it to its process set, and its
-    first compress() connects it if nothing did before (hvd_terngrad's optimizer connects it when built).
+    connect() binds the compressor to its process set and makes its pipeline; the first compress() or use of
+    a property connects it if nothing did before (hvd_terngrad's optimizer connects it when built). Only with
+    hierarchical=True does connecting talk to the other ranks (it discovers the nodes), and then no property
+    connects it.
     """
 
     def __init__(self, named_parameters=None, config: TernGradConfig | None = None, process_set=None, **options):
@@ -119,9 +121,14 @@ class TernGrad(Compressor):
         return self.pipeline.stats
 
     def _connected(self) -> TernGrad:
+        """Connected, without a collective: a property never starts one, so with hierarchical=True only
+        connect() (or the first step) may."""
         if self._pipeline is None:
-            raise RuntimeError("this TernGrad compressor is not connected yet: its first compress() connects it, "
-                               "or call connect() (a collective with hierarchical=True) on every rank")
+            if self.config.hierarchical:
+                raise RuntimeError("this TernGrad compressor is not connected yet: with hierarchical=True "
+                                   "connecting discovers the nodes (a collective), so call connect() on every rank, "
+                                   "or let the first step do it")
+            self.connect()
         return self
 
     def _name_of(self, tensor: torch.Tensor) -> str:

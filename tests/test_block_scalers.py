@@ -10,8 +10,11 @@ import torch
 
 from hvd_terngrad import TernGradConfig, codec, wire
 from hvd_terngrad.codec import cpu, reference
-from hvd_terngrad.engine import PayloadMismatchError, TernGradEngine
+from hvd_terngrad.errors import PayloadMismatchError
+from hvd_terngrad.pipeline import apply_shared, scaler_vector
 from tests.golden.make_golden import block_case, block_record
+from tests.loopback import exchange as loopback_exchange
+from tests.loopback import pipelines
 from tests.test_codec import DTYPES, backends, simd  # noqa: F401  (simd: a fixture)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "codec_v2.json").read_text())
@@ -118,23 +121,18 @@ def test_invalid_block_sizes_are_refused():
 
 
 def _exchange(n, grads, **options):
-    """One step of n engines on one tensor each, exchanged by hand (allgather): each engine's decode."""
-    engines = [TernGradEngine(TernGradConfig(**options), r, n) for r in range(n)]
-    items = [[e.prepare("w", g)] for e, g in zip(engines, grads)]
-    if engines[0].config.share_scaler:
-        vec = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(0).values
-        for e, it in zip(engines, items):
-            e.apply_shared(it, vec)
-    gathered = torch.cat([e.encode(it) for e, it in zip(engines, items)])
-    return engines, items, gathered
+    """One step of n in-process ranks on one tensor each (allgather): the run, each rank's items, and the
+    payloads every rank received."""
+    run = loopback_exchange(n, [[("w", g)] for g in grads], **options)
+    return run, [g.items for g in run.groups], run.received(0, "allgather")
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_engine_records_follow_the_wire_format(share):
-    """The engine's version-2 record is header, block scalers unless shared, then the codes."""
+def test_records_follow_the_wire_format(share):
+    """The allgather's version-2 record is header, block scalers unless shared, then the codes."""
     n, numel, block = 2, 1000, 64
     grads = [torch.randn(numel) * torch.linspace(0.01, 1, numel) * (r + 1) for r in range(n)]
-    engines, items, gathered = _exchange(n, grads, block_size=block, share_scaler=share, seed=5)
+    run, items, gathered = _exchange(n, grads, block_size=block, share_scaler=share, seed=5)
     size = wire.record_size(numel, block, share)
     assert gathered.numel() == n * size
     for r in range(n):
@@ -146,13 +144,13 @@ def test_engine_records_follow_the_wire_format(share):
         if not share:
             assert torch.equal(rec[off: off + 4 * scalers.numel()].view(torch.float32), scalers)
             off += wire.block_scalers_size(numel, block)
-        codes = codec.ternarize_pack_blocks(items[r][0].flat, scalers, block, engines[r].key(items[r][0]))
+        codes = codec.ternarize_pack_blocks(items[r][0].flat, scalers, block, run.pipes[r].coder.key(items[r][0]))
         assert torch.equal(rec[off: off + codes.numel()], codes)
-    outs = [e.decode(it, gathered)[0] for e, it in zip(engines, items)]
+    outs = [a[0] for a in run.averages]
     assert torch.equal(outs[0], outs[1])
     rows = torch.stack([it[0].scalers for it in items])
-    codes = [codec.ternarize_pack_blocks(it[0].flat, it[0].scalers, block, e.key(it[0]))
-             for e, it in zip(engines, items)]
+    codes = [codec.ternarize_pack_blocks(it[0].flat, it[0].scalers, block, p.coder.key(it[0]))
+             for p, it in zip(run.pipes, items)]
     assert torch.equal(outs[0], codec.decode_mean_blocks(codes, rows[0] if share else rows, share, numel, block,
                                                          backend="reference"))
 
@@ -160,36 +158,33 @@ def test_engine_records_follow_the_wire_format(share):
 def test_ranks_with_other_block_sizes_are_a_clear_error():
     """A rank with another block_size (or none) is named; its scaler vector has another length."""
     g = [torch.randn(1000), torch.randn(1000)]
-    a = TernGradEngine(TernGradConfig(block_size=64, share_scaler=False), 0, 2)
-    b = TernGradEngine(TernGradConfig(share_scaler=False), 1, 2)
-    ia, ib = [a.prepare("w", g[0])], [b.prepare("w", g[1])]
-    gathered = torch.cat([a.encode(ia), b.encode(ib)])
-    for e, it in ((a, ia), (b, ib)):
+    pipes = pipelines(2, [TernGradConfig(block_size=64, share_scaler=False), TernGradConfig(share_scaler=False)])
+    groups = [p.start("w", [("w", x)]) for p, x in zip(pipes, g)]
+    for p, grp in zip(pipes, groups):
         with pytest.raises(PayloadMismatchError, match="block_size|version"):
-            e.decode(it, gathered)
-    c = TernGradEngine(TernGradConfig(block_size=128), 1, 2)
-    d = TernGradEngine(TernGradConfig(block_size=64), 0, 2)
-    ic, id_ = [c.prepare("w", g[0])], [d.prepare("w", g[1])]
+            p.finish(grp)
+    c, d = pipelines(2, [TernGradConfig(block_size=128), TernGradConfig(block_size=64)])
+    ic, id_ = [c.coder.prepare("w", g[0])], [d.coder.prepare("w", g[1])]
     with pytest.raises(PayloadMismatchError, match="block_size"):
-        d.apply_shared(id_, c.scaler_vector(ic))
+        apply_shared(id_, scaler_vector(ic, 128), 64, d.coder)
 
 
 def test_corrupt_block_scalers_are_refused():
-    engines, items, gathered = _exchange(2, [torch.randn(1000), torch.randn(1000)], block_size=64,
-                                         share_scaler=False)
+    run, items, gathered = _exchange(2, [torch.randn(1000), torch.randn(1000)], block_size=64,
+                                     share_scaler=False)
     bad = gathered.clone()
     size = wire.record_size(1000, 64, False)
     bad[size + wire.HEADER_SIZE: size + wire.HEADER_SIZE + 4] = torch.tensor([float("nan")]).view(torch.uint8)
     with pytest.raises(PayloadMismatchError, match="rank 1 holds a block scaler"):
-        engines[0].decode(items[0], bad)
+        run.decode(0, bad)
 
 
 def test_a_nan_on_one_rank_is_reported_with_block_scalers():
     g = [torch.randn(1000), torch.randn(1000)]
     g[1][5] = float("nan")
-    engines, items, _ = _exchange(2, g, block_size=64)
-    for e, it in zip(engines, items):
-        assert e.nonfinite(it)[0].nonfinite_rank == 1
+    run, _, _ = _exchange(2, g, block_size=64)
+    for p, grp in zip(run.pipes, run.groups):
+        assert p.nonfinite(grp)[0].nonfinite_rank == 1
 
 
 def test_block_scalers_benchmark_smoke():

@@ -4,8 +4,10 @@ import struct
 import pytest
 import torch
 
-from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
+from hvd_terngrad import TernGradConfig, codec, wire
+from hvd_terngrad.coder import Coder
 from hvd_terngrad.config import payload_tag
+from tests.loopback import exchange
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -47,44 +49,37 @@ def test_record_header_layout():
     assert wire.record_size(13) == 24 + 8 and wire.record_size(32) == 32 and wire.record_size(33) == 24 + 16
 
 
-def _engine_roundtrip(size, grads, share=True):
-    cfg = TernGradConfig(min_numel=1, share_scaler=share, seed=3)
-    engines = [TernGradEngine(cfg, r, size) for r in range(size)]
-    items = [[e.prepare(f"t{i}", g[r]) for i, g in enumerate(grads)] for r, e in enumerate(engines)]
-    if share:
-        vec = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(0).values
-        for e, it in zip(engines, items):
-            e.apply_shared(it, vec)
-    gathered = torch.cat([e.encode(it) for e, it in zip(engines, items)])
-    return engines, items, gathered
+def _roundtrip(size, grads, share=True):
+    """One group of tensors through `size` in-process ranks (allgather)."""
+    return exchange(size, [[(f"t{i}", g[r]) for i, g in enumerate(grads)] for r in range(size)], min_numel=1,
+                    share_scaler=share, seed=3)
 
 
-def test_engine_decode_without_horovod():
-    g = [torch.randn(2, 1000), torch.randn(2, 37)]
-    engines, items, gathered = _engine_roundtrip(2, g)
-    outs = [e.decode(it, gathered) for e, it in zip(engines, items)]
+def test_decode_without_horovod():
+    run = _roundtrip(2, [torch.randn(2, 1000), torch.randn(2, 37)])
+    outs = run.averages
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
     assert outs[0][0].shape == (1000,)
 
 
-def test_engine_detects_other_tensor_step_and_corruption():
-    g = [torch.randn(2, 1000)]
-    engines, items, gathered = _engine_roundtrip(2, g)
+def test_decode_detects_other_tensor_step_and_corruption():
+    run = _roundtrip(2, [torch.randn(2, 1000)])
+    gathered = run.received(0, "allgather")
     bad = gathered.clone()
     rec = wire.record_size(1000)
     bad[rec + 4] ^= 1  # rank 1's tag
     with pytest.raises(wire.PayloadMismatch, match="from rank 1 .*another tensor"):
-        engines[0].decode(items[0], bad)
-    engines[0].step = 5
+        run.decode(0, bad)
+    run.pipes[0].coder.step = 5
     with pytest.raises(wire.PayloadMismatch, match="out of step"):
-        engines[0].decode(items[0], gathered)
-    engines[0].step = 0
+        run.decode(0, gathered)
+    run.pipes[0].coder.step = 0
     bad = gathered.clone()
     bad[wire.HEADER_SIZE] = 0xFF  # invalid codes
     with pytest.raises(wire.PayloadMismatch, match="invalid ternary codes"):
-        engines[0].decode(items[0], bad)
+        run.decode(0, bad)
     with pytest.raises(wire.PayloadMismatch, match="disagree"):
-        engines[0].decode(items[0], gathered[:-8])
+        run.decode(0, gathered[:-8])
 
 
 def test_tags_differ_by_name_shape_dtype():
@@ -95,7 +90,7 @@ def test_tags_differ_by_name_shape_dtype():
 
 
 def test_integer_and_complex_gradients_are_rejected_with_name_and_rank():
-    e = TernGradEngine(TernGradConfig(), 3, 4)
+    e = Coder(TernGradConfig(), 3, 4)
     with pytest.raises(TypeError, match="'emb' on rank 3 has dtype torch.int64"):
         e.prepare("emb", torch.ones(5, dtype=torch.int64))
     with pytest.raises(TypeError, match="complex64"):
@@ -118,15 +113,14 @@ def test_commcost_crossovers():
     assert transports.choose_transport(1000, 64) == "allgather"  # small buckets: latency decides
 
 
-def test_engine_summed_decode_equals_allgather_decode():
+@pytest.mark.parametrize("transport", ["summed", "summed-int8", "sharded"])
+def test_summed_and_sharded_decodes_equal_the_allgather_decode(transport):
     g = [torch.randn(3, 1000), torch.randn(3, 37)]
-    engines, items, gathered = _engine_roundtrip(3, g)
-    by_gather = [e.decode(it, gathered) for e, it in zip(engines, items)]
-    values = [e.encode_values(it, torch.float16) for e, it in zip(engines, items)]
-    summed = torch.stack(values).float().sum(0).half()
-    for e, it, ref in zip(engines, items, by_gather):
-        for a, b in zip(e.decode_sums(it, summed), ref):
-            assert torch.equal(a, b)
+    by_gather = _roundtrip(3, g).averages
+    named = [[(f"t{i}", x[r]) for i, x in enumerate(g)] for r in range(3)]
+    other = exchange(3, named, min_numel=1, seed=3, transport=transport).averages
+    for a, b in zip(other, by_gather):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_stats_time_each_phase_in_wall_and_cpu_seconds():

@@ -64,7 +64,7 @@ def body_sparse(front, sparse_as_dense):
             grads = {n: p.grad.detach().clone() for n, p in named}
             book = None
             if tg is not None:
-                book = {"engine_step": tg.engine.step, "scaler": dict(tg.engine.scalers_used),
+                book = {"engine_step": tg.pipeline.step, "scaler": dict(tg.pipeline.coder.scalers_used),
                         "calls": getattr(tg, "_calls", 0), "done": getattr(tg, "_done", 0)}
             steps.append({"grads": grads, "book": book})
             with opt.skip_synchronize():
@@ -226,7 +226,7 @@ def body_bound_elsewhere():
     mine = first if hvd.rank() == 0 else second
     try:  # the compressor on the other rank's set: this rank is not in it
         other = second if mine is first else first
-        hvd_terngrad.TernGrad(process_set=other).engine  # noqa: B018
+        hvd_terngrad.TernGrad(process_set=other).connect()
     except ValueError as exc:
         errors.append(str(exc))
     return errors

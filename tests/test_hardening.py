@@ -6,8 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
+from hvd_terngrad import TernGradConfig, codec, wire
 from hvd_terngrad.codec import reference
+from hvd_terngrad.coder import Coder
+from hvd_terngrad.transports import TRANSPORTS
 from tests.mpi_harness import run_ranks, run_ranks_failing
 
 FUZZ_CASES = 10_000
@@ -53,13 +55,14 @@ def body_int8_peer_never_joins():
 
     import horovod.torch as hvd
 
-    from hvd_terngrad.collectives import HorovodCollectives
+    from hvd_terngrad.collectives.horovod import HorovodCollectives
 
     hvd.init()
     t = HorovodCollectives(timeout_s=3.0)
     t._int8_comm()  # collective: every rank makes the communicator on its first sum
     if hvd.rank() == 0:
-        t.int8_sum_(torch.ones(1000, dtype=torch.int8), what="bucket 0 ('fc.weight', ...)")
+        h = t.int8_sum_async_(torch.ones(1000, dtype=torch.int8), name="x")
+        t.wait(h, "the int8 code-sum allreduce of bucket 0 ('fc.weight', ...)")
         return "returned"
     _time.sleep(120)  # never joins
     return "slept"
@@ -107,7 +110,7 @@ def body_shapes_and_dtypes():
         if flat.numel() == 0:
             out[n] = p.grad.numel() == 0
             continue
-        s = tg.engine.scalers_used[n]
+        s = tg.pipeline.coder.scalers_used[n]
         codes = reference.ternarize_pack(flat, s, 4, 0, rank, tensor_id(n))
         allc = hvd.allgather(codes[None], name=f"c.{n}")
         exp, ok = reference.decode_mean(list(allc), [s] * size, True, flat.numel())
@@ -167,12 +170,11 @@ def test_fuzz_pack_unpack_decode(n, dtype, values, scaler, key, nranks, shared, 
 @given(data=st.binary(min_size=0, max_size=200))
 def test_fuzz_random_bytes_never_decode_silently(data):
     """Arbitrary bytes as a gathered payload: a clear PayloadMismatch, never a silent result."""
-    eng = TernGradEngine(TernGradConfig(min_numel=1), 0, 2)
-    item = eng.prepare("w", torch.randn(40))
-    eng.apply_shared([item], eng.scaler_vector([item]))
+    coder = Coder(TernGradConfig(min_numel=1), 0, 2)
+    item = coder.prepare("w", torch.randn(40))
     gathered = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     with pytest.raises(wire.PayloadMismatch):
-        eng.decode([item], gathered)
+        TRANSPORTS["allgather"].decode(coder, [item], gathered)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch
 
 from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster, check_support
 from hvd_terngrad import TernGradConfig
-from hvd_terngrad.engine import TernGradEngine
 from hvd_terngrad.hierarchy import topology
+from tests.loopback import exchange
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -86,7 +86,7 @@ def body_two_by_two(transports: list[str]) -> dict:
                                                 bucket_bytes=4 * 32 * 48)
         topo = tg.hierarchy.topology
         out[transport] = {"steps": [step(opt, k) for k in range(STEPS)], "grid": topo.grid,
-                          "engine": (tg.engine.rank, tg.engine.size)}
+                          "engine": (tg.pipeline.rank, tg.pipeline.size)}
         try:
             step(opt, STEPS, nan=hvd.rank() == 3)
             out[transport]["nan"] = "no error"
@@ -115,25 +115,17 @@ def _run_on_cluster(target: str, args: tuple, nodes: int, per_node: int, timeout
 
 
 def _flat_reference(transport: str, node_avgs: list[dict], step: int) -> dict:
-    """TernGrad between `len(node_avgs)` ranks that hold the node averages, per tensor with the engine alone
+    """TernGrad between `len(node_avgs)` ranks that hold the node averages, per tensor with in-process ranks
     (codes depend on seed, step, rank, name and the shared scaler, not on buckets)."""
     cfg = TernGradConfig(transport=transport, seed=7)
     nodes = len(node_avgs)
-    engines = [TernGradEngine(cfg, r, nodes) for r in range(nodes)]
     out = {}
     for name in node_avgs[0]:
         if not cfg.compresses(name, node_avgs[0][name].numel()):
             out[name] = sum(a[name] for a in node_avgs) / nodes
             continue
-        items = []
-        for e, avg in zip(engines, node_avgs):
-            e.step = step
-            items.append([e.prepare(name, avg[name])])
-        reduced = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(0).values
-        for e, it in zip(engines, items):
-            e.apply_shared(it, reduced)
-        gathered = torch.cat([e.encode(it) for e, it in zip(engines, items)])
-        out[name] = engines[0].decode(items[0], gathered)[0].view(node_avgs[0][name].shape)
+        run = exchange(nodes, [[(name, avg[name])] for avg in node_avgs], config=cfg, step=step)
+        out[name] = run.averages[0][0].view(node_avgs[0][name].shape)
     return out
 
 
@@ -177,7 +169,7 @@ def body_one_node() -> dict:
     for name, p in model.named_parameters():
         p.grad = _grads(hvd.rank(), 0)["a." + name].clone()
     opt.synchronize()
-    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "engine_size": tg.engine.size}
+    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "engine_size": tg.pipeline.size}
     for name, p in model.named_parameters():  # a NaN on rank 1 only: an error on both
         p.grad = _grads(hvd.rank(), 1)["a." + name].clone()
         if hvd.rank() == 1 and name == "weight":

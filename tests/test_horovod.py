@@ -48,7 +48,7 @@ def body_exact(front, steps, options):
         twin.zero_grad()
         torch.nn.functional.cross_entropy(twin(x), y).backward()
         local = {n: p.grad.detach().clone() for n, p in twin.named_parameters()}
-        residual = {n: r.clone() for n, r in tg.engine.residuals.items()}  # error feedback: coded = g + r
+        residual = {n: r.clone() for n, r in tg.pipeline.coder.feedback.worker.items()}  # error feedback: coded = g + r
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.synchronize()
@@ -61,20 +61,20 @@ def body_exact(front, steps, options):
                 assert torch.equal(p.grad, avg), n
                 checks["float_is_average"] += 1
                 continue
-            key_step = tg.engine.step - 1  # the engine has moved on to the next step
+            key_step = tg.pipeline.step - 1  # the engine has moved on to the next step
             if cfg.block_size:  # one scaler a block, each element on its block's scaler
                 k = cfg.block_size
                 s_local = cfg.block_scalers(codec.moments(g), reference.block_absmax(g, k))
                 s_all = hvd.allgather(s_local[None], name=f"check.s.{n}")
                 s_used = s_all.max(dim=0).values if cfg.share_scaler else s_local
-                checks["scaler_is_max"] += cfg.share_scaler and tg.engine.scalers_used[n] == float(s_used.max())
+                checks["scaler_is_max"] += cfg.share_scaler and tg.pipeline.coder.scalers_used[n] == float(s_used.max())
                 codes = reference.ternarize_pack_blocks(g, s_used, k, cfg.seed, key_step, rank, tensor_id(n))
                 all_s = hvd.allgather(reference.per_element(s_used, k, g.numel())[None].double(),
                                       name=f"check.su.{n}")
             else:
                 s_local = cfg.scaler(codec.moments(g))
                 s_all = hvd.allgather(torch.tensor([s_local], dtype=torch.float64), name=f"check.s.{n}")
-                s_used = tg.engine.scalers_used[n]
+                s_used = tg.pipeline.coder.scalers_used[n]
                 if cfg.share_scaler:
                     assert s_used == float(s_all.max()), (n, s_used, s_all)
                     checks["scaler_is_max"] += 1
@@ -155,7 +155,7 @@ def body_train(front, options, steps=4, bpps=1):
             x, y = _batch(10 * step + micro, hvd.rank())
             torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "step": tg.engine.step,
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "step": tg.pipeline.step,
             "stats": tg.stats.last.as_dict()}
 
 

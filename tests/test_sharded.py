@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_terngrad import TernGradConfig, TernGradEngine, codec, wire
+from hvd_terngrad import TernGradConfig, codec, wire
 from hvd_terngrad.codec import reference
+from hvd_terngrad.transports import TRANSPORTS
 from tests.golden.make_golden import golden_input
+from tests.loopback import exchange
 from tests.mpi_harness import run_ranks
 from tests.test_codec import simd  # noqa: F401  (a fixture: every SIMD path)
 
@@ -58,26 +60,19 @@ def _bucket(rank: int):
             "c.weight": torch.randn(5, generator=g)}
 
 
+def _named(nranks: int):
+    return [list(_bucket(r).items()) for r in range(nranks)]
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 4, 8])
-def test_engines_in_one_process_give_the_allgathers_bits(nranks):
-    """N engines, the alltoall and the allgather done by slicing: the decode equals the allgather decode."""
-    cfg = TernGradConfig(seed=5, min_numel=1)
-    engines = [TernGradEngine(cfg, r, nranks) for r in range(nranks)]
-    items = [[e.prepare(n, t) for n, t in _bucket(r).items()] for r, e in enumerate(engines)]
-    vecs = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(dim=0).values
-    for e, it in zip(engines, items):
-        e.apply_shared(it, vecs)
-    gathered = torch.cat([e.encode(it) for e, it in zip(engines, items)])
-    want = engines[0].decode(items[0], gathered)
-    streams = [e.encode_stream(it) for e, it in zip(engines, items)]
-    shard = streams[0].numel() // nranks
-    owned = [torch.stack([s[j * shard:(j + 1) * shard] for s in streams]) for j in range(nranks)]
-    sums = torch.cat([codec.sum_code_shards(o, nranks) for o in owned])
-    for e, it in zip(engines, items):
-        got = e.decode_packed_sums(it, sums)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+def test_in_process_ranks_give_the_allgathers_bits(nranks):
+    """N in-process ranks (loopback collectives): the sharded decode equals the allgather decode."""
+    want = exchange(nranks, _named(nranks), seed=5, min_numel=1).averages
+    run = exchange(nranks, _named(nranks), seed=5, min_numel=1, transport="sharded")
+    for got in run.averages:
+        assert all(torch.equal(a, b) for a, b in zip(got, want[0]))
     with pytest.raises(Exception, match="code sums"):
-        engines[0].decode_packed_sums(items[0], sums[:-1])
+        run.decode(0, run.received(0, "allgather")[:-1])
 
 
 def test_sharded_needs_a_shared_scaler():
@@ -112,59 +107,43 @@ def test_sharded_averages_are_bit_identical_to_the_allgathers_on_real_ranks(np):
 
 # ---------------------------------------------------------------------------------------------
 # sharded-ternary: the owners draw again
-def _shared(engines, bucket_of):
-    items = [[e.prepare(n, t) for n, t in bucket_of(r).items()] for r, e in enumerate(engines)]
-    vecs = torch.stack([e.scaler_vector(it) for e, it in zip(engines, items)]).max(dim=0).values
-    for e, it in zip(engines, items):
-        e.apply_shared(it, vecs)
-    return items
-
-
-def _owners_reply(engines, items, plans, key="bucket.0"):
-    """The alltoall by slicing, every owner's reply, the allgather by concatenation."""
-    from hvd_terngrad.transports import TRANSPORTS
-
-    n = len(engines)
-    shard = plans[0].stream.numel() // n
+def _owner_draws(nranks: int, steps: int, owner_error_feedback: bool = False, **options):
+    """The workers' codes of one step stay; the owners draw afresh at each of `steps` steps (each with its
+    kept error under owner_error_feedback). Yields rank 0's decoded result per step, after the workers' exact
+    average (the allgather's decode of the same codes)."""
+    exact = exchange(nranks, _named(nranks), min_numel=1, **options).averages[0]
+    yield exact
+    run = exchange(nranks, _named(nranks), min_numel=1, transport="sharded-ternary", key="bucket.0",
+                   owner_error_feedback=owner_error_feedback, **options)
     t = TRANSPORTS["sharded-ternary"]
-    replies = [t.owner_reply(torch.stack([p.stream[j * shard:(j + 1) * shard] for p in plans]), plans[j], j, n, key)
-               for j in range(n)]
-    return torch.cat(replies)
+    for step in range(steps):
+        replies = []
+        for p, g in zip(run.pipes, run.groups):
+            p.coder.step = step
+            replies.append(t.owner_reply(run.received(p.rank, "alltoall").view(nranks, -1), g.handle.plan,
+                                         "bucket.0"))
+        yield run.decode(0, torch.cat(replies))
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 8])
 def test_sharded_ternary_every_rank_decodes_the_same_owner_codes(nranks):
-    from hvd_terngrad.transports import TRANSPORTS
-
-    t = TRANSPORTS["sharded-ternary"]
-    engines = [TernGradEngine(TernGradConfig(seed=5, min_numel=1), r, nranks) for r in range(nranks)]
-    items = _shared(engines, _bucket)
-    plans = [t.encode(e, it) for e, it in zip(engines, items)]
-    gathered = _owners_reply(engines, items, plans)
-    results = [t.decode(e, it, gathered) for e, it in zip(engines, items)]
+    run = exchange(nranks, _named(nranks), seed=5, min_numel=1, transport="sharded-ternary")
+    results = run.averages
     assert all(torch.equal(a, b) for res in results for a, b in zip(res, results[0]))
-    shard = plans[0].stream.numel() // nranks
-    assert gathered.numel() == nranks * (shard + wire.OWNER_SCALER_BYTES)
-    for res, it in zip(results[0], items[0]):  # each element is an owner's scaler times -1, 0 or +1
+    shard = run.groups[0].handle.plan.stream.numel() // nranks
+    assert run.received(0, "allgather").numel() == nranks * (shard + wire.OWNER_SCALER_BYTES)
+    for res, it in zip(results[0], run.groups[0].items):  # each element is an owner's scaler times -1, 0 or +1
         assert res.shape == (it.numel,) and torch.isfinite(res).all()
 
 
 def test_sharded_ternary_is_unbiased_given_the_workers_codes():
     """Owners' draws over 400 steps: their mean approaches the average of the workers' ternary gradients."""
-    from hvd_terngrad.transports import TRANSPORTS
-
-    t, nranks, draws = TRANSPORTS["sharded-ternary"], 4, 400
-    engines = [TernGradEngine(TernGradConfig(seed=2, min_numel=1, clip=0.0), r, nranks) for r in range(nranks)]
-    ref = _shared(engines, _bucket)
-    exact = engines[0].decode(ref[0], torch.cat([e.encode(it) for e, it in zip(engines, ref)]))  # workers' average
-    items = _shared(engines, _bucket)
-    plans = [t.encode(e, it) for e, it in zip(engines, items)]
+    draws = 400
+    results = _owner_draws(4, draws, seed=2, clip=0.0)
+    exact = next(results)
     acc = [torch.zeros_like(x, dtype=torch.float64) for x in exact]
     top = 0.0
-    for step in range(draws):
-        for p in plans:
-            p.step = step  # the workers' codes stay; the owners draw afresh
-        got = t.decode(engines[0], items[0], _owners_reply(engines, items, plans))
+    for got in results:
         for a, g in zip(acc, got):
             a += g.double()
         top = max(top, max(float(g.abs().max()) for g in got))
@@ -211,21 +190,12 @@ def test_sharded_golden_vectors(case, backend):
 
 def _owner_error_after(steps: int, feedback: bool) -> float:
     """|sum over steps of the decoded result - steps * the workers' average|, largest element, 4 ranks."""
-    from hvd_terngrad.transports import TRANSPORTS
-
-    t, nranks = TRANSPORTS["sharded-ternary"], 4
-    cfg = TernGradConfig(seed=2, min_numel=1, transport="sharded-ternary", owner_error_feedback=feedback)
-    engines = [TernGradEngine(cfg, r, nranks) for r in range(nranks)]
-    ref = _shared(engines, _bucket)
-    exact = engines[0].decode(ref[0], torch.cat([e.encode(it) for e, it in zip(engines, ref)]))
-    items = _shared(engines, _bucket)
-    plans = [t.encode(e, it) for e, it in zip(engines, items)]
+    results = _owner_draws(4, steps, owner_error_feedback=feedback, seed=2)
+    exact = next(results)
     total = [torch.zeros_like(x, dtype=torch.float64) for x in exact]
-    for step in range(steps):
-        for p in plans:
-            p.step = step  # the workers' codes stay; the owners draw afresh, each with its kept error
-        for acc, got in zip(total, t.decode(engines[0], items[0], _owners_reply(engines, items, plans))):
-            acc += got.double()
+    for got in results:
+        for acc, g in zip(total, got):
+            acc += g.double()
     return max(float((acc - steps * x.double()).abs().max()) for acc, x in zip(total, exact))
 
 

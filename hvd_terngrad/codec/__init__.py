@@ -1,4 +1,4 @@
-"""The ternary codec: one set of functions, dispatched by the tensor's device.
+"""The ternary codec: one set of operations over three backends that implement one protocol (Backend).
 
     moments(x)                                -> Moments(mean, std, absmax, nonfinite) of a gradient
     ternarize_pack(x, scaler, key, out=None)  -> uint8 tensor of ceil(n/4) packed 2-bit codes
@@ -11,21 +11,23 @@ and their block-scaler forms (wire format version 2: one scaler per block of blo
 (The C and CUDA symbols keep their ABI names: tg_stats computes the moments, tg_decode_sum the mean.)
 
 Backends: "cpu" (C++ kernels, csrc/), "cuda" (CuPy RawKernels, terngrad_kernels.cu) and "reference"
-(plain torch, the executable spec). "auto" picks cuda for CUDA tensors and cpu otherwise. All three give
-the same bytes for the same inputs; docs/wire-format.md is the contract.
+(plain torch, the executable spec), one row each in _BACKENDS. "auto" picks cuda for CUDA tensors and cpu
+otherwise. All three give the same bytes for the same inputs; docs/wire-format.md is the contract. A Codec
+binds the backend and thread count once and checks every argument, so a backend sees flat, contiguous,
+checked tensors only; the module-level functions are a Codec made for one call (backend=, nthreads=).
+Adding a backend is a module with a class that implements Backend, and a row in _BACKENDS.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from hvd_terngrad.codec import cpu, reference
-from hvd_terngrad.errors import CorruptPayload  # noqa: F401  (raised here; its home is errors)
+from hvd_terngrad.errors import CorruptPayload
 from hvd_terngrad.wire import codes_size, sum_bits, sums_size
 
-BACKENDS = ("auto", "cpu", "cuda", "reference")
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -54,10 +56,31 @@ class RngKey:
             raise ValueError(f"tensor_id must be in [0, 2**32), got {self.tensor_id}")
 
 
-def _cuda():
+class Backend(Protocol):
+    """What a codec backend implements, on flat contiguous tensors that Codec has checked. Decodes return
+    False where a code is invalid (0b11, or a non-zero padding code)."""
+
+    name: str
+
+    def moments(self, x) -> tuple[float, float, float, int]: ...
+    def moments_blocks(self, x, block: int) -> tuple[tuple[float, float, float, int], torch.Tensor]: ...
+    def block_absmax(self, x, block: int) -> torch.Tensor: ...  # fp64, one per block, on x's device
+    def ternarize_pack(self, x, scaler: float, key: RngKey, out) -> None: ...
+    def ternarize_pack_blocks(self, x, scalers, block: int, key: RngKey, out) -> None: ...
+    def decode_mean(self, codes, scalers: list[float], shared: bool, n: int, out) -> bool: ...
+    def decode_mean_blocks(self, codes, scalers, shared: bool, n: int, block: int, out) -> bool: ...
+    def sum_shards(self, shards, nranks: int, out) -> bool: ...
+    def decode_packed_sums(self, packed, nranks: int, start: int, n: int, scaler: float, out) -> None: ...
+
+
+def _cuda_backend(nthreads):
     from hvd_terngrad.codec import cuda  # imported lazily: CuPy is optional
 
-    return cuda
+    return cuda.CudaBackend(nthreads)
+
+
+_BACKENDS = {"cpu": cpu.CpuBackend, "cuda": _cuda_backend, "reference": reference.ReferenceBackend}
+BACKENDS = ("auto", *_BACKENDS)
 
 
 def resolve_backend(x: torch.Tensor, backend: str = "auto") -> str:
@@ -80,14 +103,15 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
 
 
-def moments(x: torch.Tensor, backend: str = "auto", nthreads: int | None = None) -> Moments:
-    x = _flat(x)
-    be = resolve_backend(x, backend)
-    if be == "cpu":
-        return Moments(*cpu.moments(x, nthreads))
-    if be == "cuda":
-        return Moments(*_cuda().moments(x))
-    return Moments(*reference.moments(x))
+def check_block_size(block_size: int) -> None:
+    """Block sizes are powers of two from 64 (whole SIMD runs and Philox blocks) to 2^30."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 64 <= block_size <= 1 << 30 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in [64, 2**30], got {block_size!r}")
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
 
 
 def _codes_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -100,59 +124,6 @@ def _codes_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def ternarize_pack(x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tensor | None = None,
-                   backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
-    """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
-    x = _flat(x)
-    out = _codes_out(x, out)
-    if not (scaler >= 0.0) or scaler == float("inf"):
-        raise ValueError(f"scaler must be finite and >= 0, got {scaler}")
-    be = resolve_backend(x, backend)
-    if be == "cpu":
-        cpu.ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id, out, nthreads)
-    elif be == "cuda":
-        _cuda().ternarize_pack(x, scaler, key, out)
-    else:
-        out.copy_(reference.ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id))
-    return out
-
-
-def check_block_size(block_size: int) -> None:
-    """Block sizes are powers of two from 64 (whole SIMD runs and Philox blocks) to 2^30."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 64 <= block_size <= 1 << 30 \
-            or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two in [64, 2**30], got {block_size!r}")
-
-
-def num_blocks(n: int, block_size: int) -> int:
-    return (n + block_size - 1) // block_size
-
-
-def block_absmax(x: torch.Tensor, block_size: int, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
-    """max|x| of each block of block_size elements (NaN ignored), fp64 on x's device: exact for any dtype."""
-    check_block_size(block_size)
-    x = _flat(x)
-    be = resolve_backend(x, backend)
-    if be == "cpu":
-        out = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float64)
-        cpu.block_absmax(x, block_size, out, nthreads)
-        return out
-    if be == "cuda":
-        return _cuda().block_absmax(x, block_size)
-    return reference.block_absmax(x, block_size).to(x.device)
-
-
-def moments_blocks(x: torch.Tensor, block_size: int, backend: str = "auto",
-                   nthreads: int | None = None) -> tuple[Moments, torch.Tensor]:
-    """moments(x) and block_absmax(x, block_size) together: one pass over x on the CPU backend."""
-    check_block_size(block_size)
-    x = _flat(x)
-    if resolve_backend(x, backend) == "cpu":
-        absmax = torch.empty(num_blocks(x.numel(), block_size), dtype=torch.float64)
-        return Moments(*cpu.moments_blocks(x, block_size, absmax, nthreads)), absmax
-    return moments(x, backend, nthreads), block_absmax(x, block_size, backend, nthreads)
-
-
 def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
     if scalers.dtype != torch.float32 or tuple(scalers.shape) != shape:
         raise ValueError(f"block scalers must be fp32 of shape {shape}, got {scalers.dtype} {tuple(scalers.shape)}")
@@ -163,25 +134,140 @@ def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
     return scalers.contiguous()
 
 
-def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block_size: int, key: RngKey,
-                          out: torch.Tensor | None = None, backend: str = "auto",
-                          nthreads: int | None = None) -> torch.Tensor:
-    """ternarize_pack with scalers[i // block_size] for element i (scalers: fp32, one per block)."""
-    check_block_size(block_size)
-    x = _flat(x)
-    n = x.numel()
-    scalers = _check_scalers(scalers, (num_blocks(n, block_size),))
-    out = _codes_out(x, out)
-    be = resolve_backend(x, backend)
-    if be == "cpu":
-        cpu.ternarize_pack_blocks(x, scalers.cpu(), block_size, key.seed, key.step, key.rank, key.tensor_id, out,
-                                  nthreads)
-    elif be == "cuda":
-        _cuda().ternarize_pack_blocks(x, scalers, block_size, key, out)
-    else:
-        out.copy_(reference.ternarize_pack_blocks(x, scalers, block_size, key.seed, key.step, key.rank,
-                                                  key.tensor_id))
+def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Checks every rank's packed codes of n elements; the fp32 destination (`out`, checked, or a new one)."""
+    nbytes = codes_size(n)
+    for r, c in enumerate(codes):
+        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
+            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got {c.numel()} {c.dtype}")
+    if out is None:
+        return torch.empty(n, dtype=torch.float32, device=codes[0].device)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
     return out
+
+
+def _valid(ok: bool, what: str = "payload holds invalid ternary codes (0b11 or non-zero padding)") -> None:
+    if not ok:
+        raise CorruptPayload(what)
+
+
+class Codec:
+    """The codec bound once to a backend ("auto": by each tensor's device) and a CPU thread count."""
+
+    __slots__ = ("backend", "nthreads", "_impls")
+
+    def __init__(self, backend: str = "auto", nthreads: int | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown codec backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+        self.backend, self.nthreads = backend, nthreads
+        self._impls: dict[str, Backend] = {}
+
+    def impl(self, x: torch.Tensor) -> Backend:
+        """The backend for tensors like x (made once per backend)."""
+        name = resolve_backend(x, self.backend)
+        be = self._impls.get(name)
+        if be is None:
+            be = self._impls[name] = _BACKENDS[name](self.nthreads)
+        return be
+
+    def moments(self, x: torch.Tensor) -> Moments:
+        x = _flat(x)
+        return Moments(*self.impl(x).moments(x))
+
+    def moments_blocks(self, x: torch.Tensor, block_size: int) -> tuple[Moments, torch.Tensor]:
+        """moments(x) and block_absmax(x, block_size) together: one pass over x on the CPU backend."""
+        check_block_size(block_size)
+        x = _flat(x)
+        st, absmax = self.impl(x).moments_blocks(x, block_size)
+        return Moments(*st), absmax
+
+    def block_absmax(self, x: torch.Tensor, block_size: int) -> torch.Tensor:
+        """max|x| of each block of block_size elements (NaN ignored), fp64 on x's device: exact for any dtype."""
+        check_block_size(block_size)
+        x = _flat(x)
+        return self.impl(x).block_absmax(x, block_size)
+
+    def ternarize_pack(self, x: torch.Tensor, scaler: float, key: RngKey,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
+        x = _flat(x)
+        out = _codes_out(x, out)
+        if not (scaler >= 0.0) or scaler == float("inf"):
+            raise ValueError(f"scaler must be finite and >= 0, got {scaler}")
+        self.impl(x).ternarize_pack(x, scaler, key, out)
+        return out
+
+    def ternarize_pack_blocks(self, x: torch.Tensor, scalers: torch.Tensor, block_size: int, key: RngKey,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+        """ternarize_pack with scalers[i // block_size] for element i (scalers: fp32, one per block)."""
+        check_block_size(block_size)
+        x = _flat(x)
+        scalers = _check_scalers(scalers, (num_blocks(x.numel(), block_size),))
+        out = _codes_out(x, out)
+        self.impl(x).ternarize_pack_blocks(x, scalers, block_size, key, out)
+        return out
+
+    def decode_mean(self, codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean over ranks of scaler_r * b_r, as fp32, from each rank's packed codes.
+
+        shared=True: all ranks used scalers[0]; the code sum gets one multiply by scalers[0] / len(codes).
+        """
+        if not codes:
+            raise ValueError("decode_mean needs the codes of at least one rank")
+        if len(scalers) != len(codes):
+            raise ValueError(f"{len(codes)} code arrays but {len(scalers)} scalers")
+        out = _decode_out(codes, n, out)
+        _valid(self.impl(codes[0]).decode_mean(codes, scalers, shared, n, out))
+        return out
+
+    def decode_mean_blocks(self, codes: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int,
+                           block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """decode_mean with block scalers: scalers fp32 (nranks, nblocks), or (nblocks,) when shared."""
+        check_block_size(block_size)
+        if not codes:
+            raise ValueError("decode_mean_blocks needs the codes of at least one rank")
+        nb = num_blocks(n, block_size)
+        scalers = _check_scalers(scalers, (nb,) if shared else (len(codes), nb))
+        out = _decode_out(codes, n, out)
+        _valid(self.impl(codes[0]).decode_mean_blocks(codes, scalers, shared, n, block_size, out))
+        return out
+
+    # The sharded transport's owner step and decode (docs/wire-format.md, section 10).
+    def sum_code_shards(self, shards: torch.Tensor, nranks: int) -> torch.Tensor:
+        """The owner's step: `shards` holds one row of packed codes per rank (uint8, nranks x S); returns their
+        per-element sums packed at wire.sum_bits(nranks) bits (S * bits / 2 bytes). CorruptPayload on 0b11."""
+        if shards.dtype != torch.uint8 or shards.dim() != 2 or shards.shape[0] != nranks:
+            raise ValueError(f"shards must be uint8 of shape ({nranks}, S), got {tuple(shards.shape)} {shards.dtype}")
+        shards = shards.contiguous()
+        out = torch.empty(sums_size(shards.shape[1], nranks), dtype=torch.uint8, device=shards.device)
+        _valid(self.impl(shards).sum_shards(shards, nranks, out), "a code shard holds the invalid code 0b11")
+        return out
+
+    def decode_packed_sums(self, packed: torch.Tensor, nranks: int, start: int, n: int, scaler: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [start, start + n) of a stream of packed sums, decoded to fp32 means with the shared
+        scaler (into `out`: a view of any layout; the kernels write contiguous fp32 ones directly)."""
+        if start % 4:
+            raise ValueError(f"a tensor's sums start at a multiple of 4 elements (a whole byte of codes), not {start}")
+        if ((start + n) * sum_bits(nranks) + 7) // 8 > packed.numel():
+            raise ValueError(f"elements [{start}, {start + n}) are beyond the {packed.numel()} bytes of sums")
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=packed.device)
+        be = self.impl(packed)
+        if not (out.is_contiguous() and out.dtype == torch.float32):
+            be = _BACKENDS["reference"](None)
+        be.decode_packed_sums(packed.contiguous(), nranks, start, n, scaler, out)
+        return out
+
+    def decode_packed_sums_blocks(self, packed: torch.Tensor, nranks: int, start: int, n: int,
+                                  scalers: torch.Tensor, block_size: int, first: int = 0,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """decode_packed_sums with block scalers: element i is fl32(sum * fl32(s_b / N)), s_b the scaler of the
+        tensor's block (first + i) // block_size (first: the tensor element at stream element start)."""
+        sums = self.decode_packed_sums(packed, nranks, start, n, float(nranks), out=out)
+        return scale_blocks_(sums, scalers / nranks, block_size, start=first)  # sums times fl32(N / N) = 1, exact
 
 
 def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
@@ -203,158 +289,25 @@ def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, 
     return values
 
 
-def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> torch.Tensor:
-    """Checks every rank's packed codes of n elements; the fp32 destination (`out`, checked, or a new one)."""
-    nbytes = codes_size(n)
-    for r, c in enumerate(codes):
-        if c.dtype != torch.uint8 or c.numel() != nbytes or not c.is_contiguous():
-            raise ValueError(f"codes of rank {r}: expected {nbytes} contiguous uint8 bytes, got {c.numel()} {c.dtype}")
-    if out is None:
-        return torch.empty(n, dtype=torch.float32, device=codes[0].device)
-    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
-    return out
+def _unbound(name: str):
+    """Codec.<name> as a module-level function that binds a Codec for the call (backend=, nthreads=)."""
+    method = getattr(Codec, name)
+
+    def call(*args, backend: str = "auto", nthreads: int | None = None, **kwargs):
+        return method(Codec(backend, nthreads), *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = method.__doc__
+    return call
 
 
-def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,
-               out: torch.Tensor | None = None, backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
-    """Mean over ranks of scaler_r * b_r, as fp32, from each rank's packed codes.
-
-    shared=True: all ranks used scalers[0]; the code sum gets one multiply by scalers[0] / len(codes).
-    """
-    if not codes:
-        raise ValueError("decode_mean needs the codes of at least one rank")
-    if len(scalers) != len(codes):
-        raise ValueError(f"{len(codes)} code arrays but {len(scalers)} scalers")
-    out = _decode_out(codes, n, out)
-    be = resolve_backend(codes[0], backend)
-    if be == "cpu":
-        ok = cpu.decode_mean(codes, scalers, shared, n, out, nthreads)
-    elif be == "cuda":
-        w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)
-        ok = _cuda().decode_mean(codes, w.view(-1, 1), max(n, 1), shared, n, out)
-    else:
-        res, ok = reference.decode_mean([c.cpu() for c in codes], scalers, shared, n)
-        out.copy_(res)
-    if not ok:
-        raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")
-    return out
-
-
-def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int, block_size: int,
-                       out: torch.Tensor | None = None, backend: str = "auto",
-                       nthreads: int | None = None) -> torch.Tensor:
-    """decode_mean with block scalers: scalers fp32 (nranks, nblocks), or (nblocks,) when shared."""
-    check_block_size(block_size)
-    if not codes:
-        raise ValueError("decode_mean_blocks needs the codes of at least one rank")
-    nb = num_blocks(n, block_size)
-    scalers = _check_scalers(scalers, (nb,) if shared else (len(codes), nb))
-    out = _decode_out(codes, n, out)
-    be = resolve_backend(codes[0], backend)
-    if be == "cpu":
-        ok = cpu.decode_mean_blocks(codes, scalers.cpu(), shared, n, block_size, out, nthreads)
-    elif be == "cuda":
-        ok = _cuda().decode_mean(codes, scalers.reshape(-1, nb) / len(codes), block_size, shared, n, out)
-    else:
-        res, ok = reference.decode_mean_blocks(codes, scalers, shared, n, block_size)
-        out.copy_(res)
-    if not ok:
-        raise CorruptPayload("payload holds invalid ternary codes (0b11 or non-zero padding)")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The sharded transport's owner step and decode (docs/wire-format.md, section 10).
-def sum_code_shards(shards: torch.Tensor, nranks: int, backend: str = "auto",
-                    nthreads: int | None = None) -> torch.Tensor:
-    """The owner's step: `shards` holds one row of packed codes per rank (uint8, nranks x S); returns their
-    per-element sums packed at wire.sum_bits(nranks) bits (S * bits / 2 bytes). CorruptPayload on 0b11."""
-    if shards.dtype != torch.uint8 or shards.dim() != 2 or shards.shape[0] != nranks:
-        raise ValueError(f"shards must be uint8 of shape ({nranks}, S), got {tuple(shards.shape)} {shards.dtype}")
-    shards = shards.contiguous()
-    be = resolve_backend(shards, backend)
-    if be in ("cpu", "cuda"):
-        out = torch.empty(sums_size(shards.shape[1], nranks), dtype=torch.uint8, device=shards.device)
-        if be == "cpu":
-            ok = cpu.sum_shards(shards, nranks, out, nthreads)
-        else:
-            ok = _cuda().sum_shards(shards, nranks, sum_bits(nranks), out)
-    else:
-        sums, ok = reference.sum_shards(shards)
-        out = reference.pack_sums(sums, nranks)
-    if not ok:
-        raise CorruptPayload("a code shard holds the invalid code 0b11")
-    return out
-
-
-def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, scaler: float,
-                       out: torch.Tensor | None = None, backend: str = "auto",
-                       nthreads: int | None = None) -> torch.Tensor:
-    """Elements [start, start + n) of a stream of packed sums, decoded to fp32 means with the shared scaler."""
-    if start % 4:
-        raise ValueError(f"a tensor's sums start at a multiple of 4 elements (a whole byte of codes), not {start}")
-    bits = sum_bits(nranks)
-    lo, hi = start * bits // 8, ((start + n) * bits + 7) // 8
-    if hi > packed.numel():
-        raise ValueError(f"elements [{start}, {start + n}) are beyond the {packed.numel()} bytes of sums")
-    if out is None:
-        out = torch.empty(n, dtype=torch.float32, device=packed.device)
-    be = resolve_backend(packed, backend)
-    if be != "reference" and out.is_contiguous() and out.dtype == torch.float32:
-        if be == "cpu":
-            cpu.decode_packed_sums(packed.contiguous(), nranks, start, n, scaler, out, nthreads)
-        else:
-            _cuda().decode_packed_sums(packed.contiguous(), nranks, bits, start, n, scaler, out)
-        return out
-    sums = reference.unpack_sums(packed[lo:hi], nranks)[: n]
-    return out.copy_(reference.decode_sums(sums, scaler, nranks))
-
-
-def decode_packed_sums_blocks(packed: torch.Tensor, nranks: int, start: int, n: int, scalers: torch.Tensor,
-                              block_size: int, first: int = 0, out: torch.Tensor | None = None,
-                              backend: str = "auto", nthreads: int | None = None) -> torch.Tensor:
-    """decode_packed_sums with block scalers: element i is fl32(sum * fl32(s_b / N)), s_b the scaler of the
-    tensor's block (first + i) // block_size (first: the tensor element at stream element start)."""
-    sums = decode_packed_sums(packed, nranks, start, n, float(nranks), out=out, backend=backend, nthreads=nthreads)
-    return scale_blocks_(sums, scalers / nranks, block_size, start=first)  # the sums times fl32(N / N) = 1, exact
-
-
-class Codec:
-    """The codec bound once to a backend and a thread count: the functions above without backend= and
-    nthreads=."""
-
-    __slots__ = ("backend", "nthreads")
-
-    def __init__(self, backend: str = "auto", nthreads: int | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown codec backend {backend!r}; allowed: {', '.join(BACKENDS)}")
-        self.backend, self.nthreads = backend, nthreads
-
-    def moments(self, x):
-        return moments(x, self.backend, self.nthreads)
-
-    def moments_blocks(self, x, block_size):
-        return moments_blocks(x, block_size, self.backend, self.nthreads)
-
-    def ternarize_pack(self, x, scaler, key, out=None):
-        return ternarize_pack(x, scaler, key, out, self.backend, self.nthreads)
-
-    def ternarize_pack_blocks(self, x, scalers, block_size, key, out=None):
-        return ternarize_pack_blocks(x, scalers, block_size, key, out, self.backend, self.nthreads)
-
-    def decode_mean(self, codes, scalers, shared, n, out=None):
-        return decode_mean(codes, scalers, shared, n, out, self.backend, self.nthreads)
-
-    def decode_mean_blocks(self, codes, scalers, shared, n, block_size, out=None):
-        return decode_mean_blocks(codes, scalers, shared, n, block_size, out, self.backend, self.nthreads)
-
-    def sum_code_shards(self, shards, nranks):
-        return sum_code_shards(shards, nranks, self.backend, self.nthreads)
-
-    def decode_packed_sums(self, packed, nranks, start, n, scaler, out=None):
-        return decode_packed_sums(packed, nranks, start, n, scaler, out, self.backend, self.nthreads)
-
-    def decode_packed_sums_blocks(self, packed, nranks, start, n, scalers, block_size, first=0, out=None):
-        return decode_packed_sums_blocks(packed, nranks, start, n, scalers, block_size, first, out, self.backend,
-                                         self.nthreads)
+moments = _unbound("moments")
+moments_blocks = _unbound("moments_blocks")
+block_absmax = _unbound("block_absmax")
+ternarize_pack = _unbound("ternarize_pack")
+ternarize_pack_blocks = _unbound("ternarize_pack_blocks")
+decode_mean = _unbound("decode_mean")
+decode_mean_blocks = _unbound("decode_mean_blocks")
+sum_code_shards = _unbound("sum_code_shards")
+decode_packed_sums = _unbound("decode_packed_sums")
+decode_packed_sums_blocks = _unbound("decode_packed_sums_blocks")

@@ -203,3 +203,43 @@ def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple
     o = (ctypes.c_uint32 * 4)()
     lib.tg_philox4x32_10(c, k, o)
     return tuple(o)
+
+
+class CpuBackend:
+    """The C++ kernels (csrc/) as a codec backend (codec.Backend), with `nthreads` threads."""
+
+    name = "cpu"
+
+    def __init__(self, nthreads: int | None = None):
+        self.nthreads = nthreads
+
+    def moments(self, x):
+        return moments(x, self.nthreads)
+
+    def moments_blocks(self, x, block):
+        absmax = torch.empty((x.numel() + block - 1) // block, dtype=torch.float64)
+        return moments_blocks(x, block, absmax, self.nthreads), absmax
+
+    def block_absmax(self, x, block):
+        out = torch.empty((x.numel() + block - 1) // block, dtype=torch.float64)
+        block_absmax(x, block, out, self.nthreads)
+        return out
+
+    def ternarize_pack(self, x, scaler, key, out):
+        ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id, out, self.nthreads)
+
+    def ternarize_pack_blocks(self, x, scalers, block, key, out):
+        ternarize_pack_blocks(x, scalers.cpu(), block, key.seed, key.step, key.rank, key.tensor_id, out,
+                              self.nthreads)
+
+    def decode_mean(self, codes, scalers, shared, n, out):
+        return decode_mean(codes, scalers, shared, n, out, self.nthreads)
+
+    def decode_mean_blocks(self, codes, scalers, shared, n, block, out):
+        return decode_mean_blocks(codes, scalers.cpu(), shared, n, block, out, self.nthreads)
+
+    def sum_shards(self, shards, nranks, out):
+        return sum_shards(shards, nranks, out, self.nthreads)
+
+    def decode_packed_sums(self, packed, nranks, start, n, scaler, out):
+        decode_packed_sums(packed, nranks, start, n, scaler, out, self.nthreads)

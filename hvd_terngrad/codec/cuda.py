@@ -171,3 +171,42 @@ def decode_packed_sums(packed: torch.Tensor, nranks: int, bits: int, start: int,
         k = _kernels().get_function("tg_decode_packed_sums")
         k(((n + _THREADS - 1) // _THREADS,), (_THREADS,),
           (_wrap(packed), np.int32(nranks), np.int32(bits), np.int64(start), np.int64(n), np.float32(post), _wrap(out)))
+
+
+class CudaBackend:
+    """The CUDA kernels as a codec backend (codec.Backend), on torch's current stream."""
+
+    name = "cuda"
+
+    def __init__(self, nthreads: int | None = None):
+        del nthreads  # the GPU decides its own parallelism
+
+    moments = staticmethod(moments)
+    block_absmax = staticmethod(block_absmax)
+
+    def moments_blocks(self, x, block):
+        return moments(x), block_absmax(x, block)
+
+    def ternarize_pack(self, x, scaler, key, out):
+        ternarize_pack(x, scaler, key, out)
+
+    def ternarize_pack_blocks(self, x, scalers, block, key, out):
+        ternarize_pack_blocks(x, scalers, block, key, out)
+
+    def decode_mean(self, codes, scalers, shared, n, out):
+        w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)
+        return decode_mean(codes, w.view(-1, 1), max(n, 1), shared, n, out)
+
+    def decode_mean_blocks(self, codes, scalers, shared, n, block, out):
+        nb = (n + block - 1) // block
+        return decode_mean(codes, scalers.reshape(-1, nb) / len(codes), block, shared, n, out)
+
+    def sum_shards(self, shards, nranks, out):
+        from hvd_terngrad.wire import sum_bits
+
+        return sum_shards(shards, nranks, sum_bits(nranks), out)
+
+    def decode_packed_sums(self, packed, nranks, start, n, scaler, out):
+        from hvd_terngrad.wire import sum_bits
+
+        decode_packed_sums(packed, nranks, sum_bits(nranks), start, n, scaler, out)

@@ -215,3 +215,47 @@ def unpack_sums(packed: torch.Tensor, nranks: int) -> torch.Tensor:
 def decode_sums(sums: torch.Tensor, scaler: float, nranks: int) -> torch.Tensor:
     """fl32(sum * fl32(s / N)): the shared-scaler decode of section 6."""
     return sums.to(torch.float32) * (torch.tensor(scaler, dtype=torch.float32) / nranks)
+
+
+class ReferenceBackend:
+    """The executable spec as a codec backend (codec.Backend): plain torch on the CPU, results copied out."""
+
+    name = "reference"
+
+    def __init__(self, nthreads: int | None = None):
+        del nthreads  # torch's own
+
+    def moments(self, x):
+        return moments(x)
+
+    def moments_blocks(self, x, block):
+        return moments(x), block_absmax(x, block).to(x.device)
+
+    def block_absmax(self, x, block):
+        return block_absmax(x, block).to(x.device)
+
+    def ternarize_pack(self, x, scaler, key, out):
+        out.copy_(ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id))
+
+    def ternarize_pack_blocks(self, x, scalers, block, key, out):
+        out.copy_(ternarize_pack_blocks(x, scalers, block, key.seed, key.step, key.rank, key.tensor_id))
+
+    def decode_mean(self, codes, scalers, shared, n, out):
+        res, ok = decode_mean([c.cpu() for c in codes], scalers, shared, n)
+        out.copy_(res)
+        return ok
+
+    def decode_mean_blocks(self, codes, scalers, shared, n, block, out):
+        res, ok = decode_mean_blocks(codes, scalers, shared, n, block)
+        out.copy_(res)
+        return ok
+
+    def sum_shards(self, shards, nranks, out):
+        sums, ok = sum_shards(shards)
+        out.copy_(pack_sums(sums, nranks))
+        return ok
+
+    def decode_packed_sums(self, packed, nranks, start, n, scaler, out):
+        bits = wire.sum_bits(nranks)
+        lo, hi = start * bits // 8, ((start + n) * bits + 7) // 8
+        out.copy_(decode_sums(unpack_sums(packed[lo:hi], nranks)[: n], scaler, nranks))
