@@ -157,3 +157,16 @@ def test_every_rank_decodes_the_same_average(name, options):
     run = exchange(4, [_grads(r, 0) for r in range(4)], min_numel=1, seed=4, **options)
     for avgs in run.averages[1:]:
         assert all(torch.equal(a, b) for a, b in zip(avgs, run.averages[0]))
+
+
+def test_the_summed_transport_sends_two_bytes_a_coded_element():
+    """The stats count what each transport puts on the wire: fp16 code sums against 2-bit records."""
+    def sent(transport):
+        run = exchange(2, [_grads(r, 0) for r in range(2)], min_numel=1, transport=transport)
+        run.pipes[0].next_step()
+        return run.pipes[0].stats.last
+
+    gather, summed = sent("allgather"), sent("summed")
+    coded = 33 * 7 + 1001 + 5
+    assert summed.bytes_sent == 2 * coded + 3 * 16  # the values, and each tensor's scaler entry
+    assert gather.bytes_sent < summed.bytes_sent / 4 and gather.dense_bytes == summed.dense_bytes == 4 * coded
