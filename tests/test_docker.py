@@ -63,6 +63,7 @@ def _engine_reason() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("container")  # make test runs it on one worker beside the rest of the suite
 @pytest.mark.skipif(_engine_reason() is not None, reason=str(_engine_reason()))
 def test_cpu_image_builds_and_runs_a_two_container_terngrad_job():
     res = subprocess.run(["bash", str(ROOT / "docker" / "build.sh"), "--cluster"], capture_output=True, text=True,
