@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_terngrad import codec
+import hvd_terngrad.codec as codec
 from hvd_terngrad.config import TernGradConfig, payload_tag, tensor_id
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.feedback import ErrorFeedback

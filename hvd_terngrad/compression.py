@@ -24,7 +24,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from hvd_terngrad import hierarchy
+import hvd_terngrad.hierarchy as hierarchy
 from hvd_terngrad.collectives.horovod import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.pipeline import Group, Pipeline

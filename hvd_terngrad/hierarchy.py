@@ -17,6 +17,7 @@ path.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import horovod.torch as hvd
@@ -73,6 +74,19 @@ class Hierarchy:
     def codes(self, bucket: int) -> bool:
         """Whether this rank codes bucket `bucket` between the nodes."""
         return self.cross is not None and self.topology.coder(bucket) == self.topology.local_index
+
+    def broadcast_averages(self, coded: list[tuple[int, str, torch.Tensor]]) -> list[str]:
+        """Each (bucket, name, average) from the rank that coded its bucket to the rest of the node, in place;
+        the names whose average is non-finite. A coder fills a non-finite average with NaN and any other decoded
+        average is finite, so one element tells (a scan of a large tensor costs as much as its broadcast)."""
+        handles = [(name, t, self.local.broadcast_async_(t, self.root(k), name=f"terngrad.node.bcast.{name}"))
+                   for k, name, t in coded]
+        bad = []
+        for name, t, h in handles:
+            self.local.wait(h, f"the node broadcast of {name!r}")
+            if not math.isfinite(t.reshape(-1)[0].item()):
+                bad.append(name)
+        return bad
 
     def root(self, bucket: int) -> int:
         """The coder of `bucket` as Horovod's broadcast names a root within a process set: its global rank."""

@@ -18,7 +18,6 @@ touch the gradients.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from contextlib import contextmanager
 
@@ -50,27 +49,47 @@ class _Bucket:
         return bool(self.node_handles) or (self.group is not None and self.group.stage is not Stage.DONE)
 
 
+class _Uncoded:
+    """One step's gradients that travel uncoded: small or excluded tensors as float averages, and sparse
+    gradients averaged exactly as Horovod averages them (an allgather of indices and values)."""
+
+    __slots__ = ("world", "stats", "floats", "sparse")
+
+    def __init__(self, world, stats):
+        self.world, self.stats = world, stats
+        self.floats: dict = {}  # param -> handle of its in-place float average
+        self.sparse: dict = {}  # param -> handle of its sparse average
+
+    def send_float(self, p, name: str, g: torch.Tensor) -> None:
+        self.stats.add_float(g.numel() * g.element_size(), self.world.size)
+        self.floats[p] = self.world.average_async_(g, name=f"terngrad.float.{name}")
+
+    def send_sparse(self, p, name: str) -> None:
+        g = p.grad
+        self.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(), self.world.size)
+        self.sparse[p] = self.world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
+
+    def finish(self, name_of: dict, grad_of) -> list[str]:
+        """Wait for every average and put it in place; the names of those that are non-finite."""
+        bad = []
+        for p, h in self.sparse.items():
+            avg = self.world.sparse_average(h, f"the sparse average of {name_of[p]!r}")
+            p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
+            if not bool(torch.isfinite(avg._values()).all()):
+                bad.append(name_of[p])
+        for p, h in self.floats.items():
+            self.world.wait(h, f"the float average of {name_of[p]!r}")
+            if not bool(torch.isfinite(grad_of(p)).all()):
+                bad.append(name_of[p])
+        return bad
+
+
 class _TernGradOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression: TernGrad, backward_passes_per_step, process_set,
                  bucket_bytes, sparse_as_dense):
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(x, tuple) for x in named):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
-                                 "produced by model.named_parameters()")
-        else:
-            named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(self.param_groups)
-                     for j, v in enumerate(g["params"])]
-        names = [n for n, _ in named]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
-        named_ids = {id(v) for _, v in named}
-        unnamed = [p for p in all_params if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named")
+        named = _checked_names(named_parameters, self.param_groups, all_params)
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
 
@@ -97,8 +116,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             for p in b.params:
                 self._bucket_of[p] = b
 
-        self._float_handles = {}
-        self._sparse_handles = {}
+        self._uncoded = _Uncoded(self._world, self._pipe.stats)
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
         self._skip_next_step = False
@@ -139,7 +157,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         b = self._bucket_of.get(p)
         if p.grad.is_sparse:
             if not self._sparse_as_dense:
-                self._send_sparse(p, name)
+                self._uncoded.send_sparse(p, name)
                 if b is not None:
                     self._bucket_member_ready(b, p)
                 return
@@ -147,16 +165,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._pipe.coder.check_dtype(name, self._grad(p))
         if b is None:
             g = self._grad(p)
-            self._pipe.stats.add_float(g.numel() * g.element_size(), self._world.size)
-            self._float_handles[p] = self._world.average_async_(g, name=f"terngrad.float.{name}")
+            self._uncoded.send_float(p, name, g)
             return
         self._bucket_member_ready(b, p)
-
-    def _send_sparse(self, p, name: str):
-        g = p.grad
-        self._pipe.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
-                                     self._world.size)
-        self._sparse_handles[p] = self._world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
@@ -164,7 +175,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             return
         # every rank has the same sparse gradients, so every rank codes the same members; if not, the scaler
         # vector's tags (or the payload headers) tell, on every rank
-        b.coded = [q for q in b.params if q not in self._sparse_handles]
+        b.coded = [q for q in b.params if q not in self._uncoded.sparse]
         if not b.coded:
             return
         if self._hier is not None and self._hier.local is not None:
@@ -228,58 +239,30 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 else:
                     float_bad += self._node_broadcast(bad)
                 bad = []
-            for p, h in self._sparse_handles.items():
-                avg = self._world.sparse_average(h, f"the sparse average of {self._name_of[p]!r}")
-                p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
-                if not bool(torch.isfinite(avg._values()).all()):
-                    float_bad.append(self._name_of[p])
-            for p, h in self._float_handles.items():
-                self._world.wait(h, f"the float average of {self._name_of[p]!r}")
-                if not bool(torch.isfinite(self._grad(p)).all()):
-                    float_bad.append(self._name_of[p])
+            float_bad += self._uncoded.finish(self._name_of, self._grad)
             for p, dense in self._densified.items():
                 p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
         finally:
             for b in self._buckets:
                 b.reset()
-            self._float_handles = {}
-            self._sparse_handles = {}
+            self._uncoded = _Uncoded(self._world, self._pipe.stats)
             self._densified = {}
             self._fired = set()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._synchronized = True
         try:
-            if bad or float_bad:
-                if self._cfg.on_nonfinite == "skip":
-                    self._skip_next_step = True
-                    self._pipe.stats.current.skipped = True
-                    return
-                self._pipe.coder.raise_nonfinite(bad)
-                raise NonFiniteGradientError(
-                    f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at step "
-                    f"{self._pipe.step} on rank {self._world.rank}; every rank sees the same average")
+            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank)
         finally:
             self._pipe.next_step()
 
     def _node_broadcast(self, bad: list) -> list[str]:
-        """Hierarchical: each bucket's decoded average from the rank that coded it to the rest of its node;
-        the names of the coded tensors whose average is non-finite, the same on every rank."""
-        # The coder knows a non-finite average from the scalers and fills it with NaN; any other decoded average
-        # is finite, so its node reads the verdict from one element (a scan of a large tensor costs as much as
-        # its broadcast).
-        for it in bad:
+        """Hierarchical: each bucket's decoded average from its coder to the rest of its node; the names of the
+        coded tensors whose average is non-finite, the same on every rank."""
+        for it in bad:  # the coder knows a non-finite average from the scalers: NaN tells its node
             self._grad(self._param_of[it.name]).fill_(float("nan"))
-        local = self._hier.local
-        handles = [(q, local.broadcast_async_(self._grad(q), self._hier.root(b.index),
-                                              name=f"terngrad.node.bcast.{self._name_of[q]}"))
-                   for b in self._buckets for q in b.coded]
-        names = []
-        for q, h in handles:
-            local.wait(h, f"the node broadcast of {self._name_of[q]!r}")
-            if not math.isfinite(self._grad(q).reshape(-1)[0].item()):
-                names.append(self._name_of[q])
-        return names
+        coded = [(b.index, self._name_of[q], self._grad(q)) for b in self._buckets for q in b.coded]
+        return self._hier.broadcast_averages(coded)
 
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
@@ -318,6 +301,39 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
                                  "race condition.")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int) -> bool:
+    """A step's verdict on non-finite averages (the same on every rank): whether to skip it (on_nonfinite=
+    "skip"), or raise NonFiniteGradientError naming the tensor."""
+    if not (bad or float_bad):
+        return False
+    if cfg.on_nonfinite == "skip":
+        pipe.stats.current.skipped = True
+        return True
+    pipe.coder.raise_nonfinite(bad)
+    raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at "
+                                 f"step {pipe.step} on rank {rank}; every rank sees the same average")
+
+
+def _checked_names(named_parameters, param_groups, all_params) -> list:
+    """(name, parameter) for every parameter, checked as Horovod checks them; made up where not given."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) for x in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+                             "produced by model.named_parameters()")
+    else:
+        named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(param_groups)
+                 for j, v in enumerate(g["params"])]
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    named_ids = {id(v) for _, v in named}
+    if any(id(p) not in named_ids for p in all_params):
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named")
+    return named
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,

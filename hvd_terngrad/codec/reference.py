@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from hvd_terngrad import wire
+import hvd_terngrad.wire as wire
 
 _MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57

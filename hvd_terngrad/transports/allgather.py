@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from hvd_terngrad import codec, wire
+import hvd_terngrad.codec as codec
+import hvd_terngrad.wire as wire
 from hvd_terngrad.commcost import allgather_bytes, allgather_time
 from hvd_terngrad.errors import CorruptPayload, PayloadMismatchError
 from hvd_terngrad.transports.base import RECORD_PADDING_BYTES, Transport, destination

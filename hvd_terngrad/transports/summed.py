@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hvd_terngrad import codec
+import hvd_terngrad.codec as codec
 from hvd_terngrad.commcost import allreduce_bytes, allreduce_time
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports.base import Transport, destination
