@@ -206,7 +206,7 @@ def measure_codec(reps: int) -> dict:
     from hvd_terngrad.transports import TRANSPORTS
 
     out = {"fp16": _measure_casts(reps)}
-    for tname in ("allgather", "summed", "summed-int8", "sharded", "sharded-ternary"):
+    for tname in TRANSPORTS:
         t, pts = TRANSPORTS[tname], []
         for m in CODEC_SIZES:
             grad, out_grad = torch.randn(m), torch.empty(m)
