@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.methods import parse_method
 from benchmarks.simulator import SimulatedWorkers
 from examples.train_digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.methods import parse_method
 
 # The default suite: FP32, the paper's TernGrad, each option alone, each transport, and the recommended
 # configuration (TernGradConfig.recommended()). ABLATIONS take the recommended one apart; run them by name.

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.methods import parse_method
 from benchmarks.models import Split, build, split_of, synthetic_batch
 from benchmarks.timeline import Host, host_step_seconds
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
+from hvd_terngrad.methods import parse_method
 from hvd_terngrad.transports import TRANSPORTS
 from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
 

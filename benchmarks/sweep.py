@@ -22,11 +22,11 @@ from pathlib import Path
 
 from benchmarks.calibrate import calibrate, summary
 from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster
-from benchmarks.methods import parse_method
+from hvd_terngrad.methods import parse_method
 
 
 def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
-    """One synthetic.py job of `method` (benchmarks/methods.py) on the cluster; its result row."""
+    """One synthetic.py job of `method` (hvd_terngrad/methods.py) on the cluster; its result row."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         out = Path(f.name)
     argv = [sys.executable, "-m", "benchmarks.synthetic", "--model", model, "--method", method,
@@ -161,7 +161,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="alexnet,vgg,googlenet,mlp")
     ap.add_argument("--methods", default="fp32,fp16,terngrad",
-                    help="fp32, fp16, terngrad, or terngrad:<modifiers> (benchmarks/methods.py); local for the "
+                    help="fp32, fp16, terngrad, or terngrad:<modifiers> (hvd_terngrad/methods.py); local for the "
                          "ceiling")
     ap.add_argument("--profiles", default="ethernet-1g,fast")
     ap.add_argument("--nodes", default="2,4")

@@ -3,7 +3,7 @@ pytorch_synthetic_benchmark.py), on the models of benchmarks/models.py.
 
     horovodrun -np 2 python -m benchmarks.synthetic --model alexnet --method terngrad
 
-Methods are named as in benchmarks/methods.py (fp32, fp16, terngrad, terngrad:summed, terngrad:stock, ...).
+Methods are named as in hvd_terngrad/methods.py (fp32, fp16, terngrad, terngrad:summed, terngrad:stock, ...).
 Prints img/sec per worker (mean +- 1.96 sigma over iterations) and in total, as Horovod's benchmark does,
 and for every method the gradient bytes each worker sends per step and the CPU time rank 0 spends on one
 (all its threads: where nodes share cores, what one worker spends is taken from the others).
@@ -21,8 +21,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-from benchmarks.methods import Method, build_optimizer, parse_method
 from benchmarks.models import MODELS, build, synthetic_batch
+from hvd_terngrad.methods import Method, build_optimizer, parse_method
 
 
 def bytes_per_step(model, method: Method, tg) -> float:
@@ -110,7 +110,7 @@ def main(argv=None):
     ap.add_argument("--num-iters", type=int, default=5)
     ap.add_argument("--method", default="terngrad", type=parse_method,
                     help="fp32, fp16, terngrad or terngrad:<modifiers>, or local (no exchange: the ceiling) "
-                         "(benchmarks/methods.py)")
+                         "(hvd_terngrad/methods.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--iface", help="count this interface's bytes over the timed steps (e.g. eth0 in an emulated node)")
     ap.add_argument("--json", help="append the result as one JSON line (rank 0)")

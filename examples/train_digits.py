@@ -3,7 +3,7 @@
     horovodrun -np 2 python -m examples.train_digits            # the README's main command (make train)
     horovodrun -np 4 python -m examples.train_digits --methods fp32,terngrad,terngrad:noclip --epochs 15
 
-Methods are named as everywhere in this project (benchmarks/methods.py): fp32, fp16, terngrad, and
+Methods are named as everywhere in this project (hvd_terngrad/methods.py): fp32, fp16, terngrad, and
 terngrad with modifiers such as :stock (the stock hvd.DistributedOptimizer), :noclip, :noshare, :ef, :summed.
 
 Each worker trains on its shard of the training split; every epoch rank 0 prints the test accuracy, the
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.methods import build_optimizer, parse_method
+from hvd_terngrad.methods import build_optimizer, parse_method
 
 
 class DigitsCNN(nn.Module):
@@ -130,7 +130,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="fp32,terngrad", help="comma-separated method names (benchmarks/methods.py)")
+    ap.add_argument("--methods", default="fp32,terngrad", help="comma-separated method names (hvd_terngrad/methods.py)")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--lr", type=float, default=0.05)

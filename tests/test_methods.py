@@ -1,9 +1,9 @@
-"""One vocabulary for methods (benchmarks/methods.py), and one table of transports (hvd_terngrad.transports)."""
+"""One vocabulary for methods (hvd_terngrad/methods.py), and one table of transports (hvd_terngrad.transports)."""
 import pytest
 
-from benchmarks.methods import Method, parse_method
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.commcost import Link
+from hvd_terngrad.methods import Method, parse_method
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
 
 

@@ -1,4 +1,5 @@
-"""One vocabulary for how gradients travel, used by every tool: a method name and the optimizer it builds.
+"""One vocabulary for how gradients travel, used by the main job and every benchmark: a method name and the
+optimizer it builds.
 
     local                    no gradient exchange: each worker steps on its own gradients. Not a way to
                              train; the throughput ceiling of every method on the same cluster
