@@ -3,21 +3,27 @@
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=hvd_terngrad.TernGrad(model.named_parameters()))
 
-How it fits the stock optimizer: Horovod calls compress(grad) in the backward hook and allreduces what
-it returns, then calls decompress(output, ctx) in synchronize(). compress() therefore shares the scaler
-(a blocking Max allreduce of 16 bytes), ternarizes the gradient and starts its transport's first collective
-itself (an allgather of the packed record, a Sum of the code values, or an alltoall of code shards); it hands
-Horovod a 1-element placeholder to allreduce. decompress() finishes the transport, each wait at most
-timeout_s like every wait of TernGrad's, and decodes the average. Small or excluded tensors pass through
-unchanged (plain average). A sparse gradient (sparse_as_dense=False) never reaches compress(): Horovod
-averages it itself and decompress(output, None) returns that average as it is, like Compression.none.
+How it fits the stock optimizer: Horovod calls compress(grad) in the backward hook and allreduces what it
+returns, then calls decompress(output, ctx) in synchronize(). compress() therefore starts the tensor through
+the pipeline itself: the Max allreduce of its scaler (16 bytes), without waiting for it, and it hands Horovod
+a 1-element placeholder to allreduce. Each later compress() moves earlier tensors on whose scaler has come
+back: it ternarizes them and starts their transport (an allgather of the packed record, a Sum of the code
+values, or an alltoall of code shards), overlapping backward. decompress() finishes the rest, each wait at
+most timeout_s like every wait of TernGrad's, and decodes the average. compress() never blocks: ranks whose
+backward reaches different parameters (Horovod allreduces the missing ones as zeros in synchronize(), after
+backward) would otherwise wait on each other's scaler allreduces inside backward. Small or excluded tensors
+pass through unchanged (plain average). A sparse gradient (sparse_as_dense=False) never reaches compress():
+Horovod averages it itself and decompress(output, None) returns that average as it is, like Compression.none.
 
-Trade-off against hvd_terngrad.DistributedOptimizer: the stock path blocks the backward pass once per
-tensor for the scaler and sends one allgather per tensor; the hvd_terngrad optimizer shares the scalers
-of a whole bucket in one non-blocking allreduce and sends one allgather per bucket.
+Trade-off against hvd_terngrad.DistributedOptimizer: the stock path shares the scaler and sends the codes
+once per tensor; the hvd_terngrad optimizer does both once per bucket.
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 import warnings
 
 import horovod.torch as hvd
@@ -27,7 +33,7 @@ from horovod.torch.compression import Compressor
 import hvd_terngrad.hierarchy as hierarchy
 from hvd_terngrad.collectives.horovod import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.pipeline import Group, Pipeline
+from hvd_terngrad.pipeline import Group, Pipeline, Stage
 from hvd_terngrad.transports import TRANSPORTS
 
 _PASS = object()
@@ -60,6 +66,9 @@ class TernGrad(Compressor):
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
         self._calls = 0
         self._done = 0
+        self._pending: list[Group] = []  # this step's groups not yet sent in full
+        self._lock = threading.Lock()  # held while this thread works on the pipeline; the watchdog waits for it
+        self._watchdog: _Watchdog | None = None
 
     # ------------------------------------------------------------------------------------------
     def bind(self, named_parameters: list, process_set) -> None:
@@ -158,12 +167,28 @@ class TernGrad(Compressor):
         if not self.config.compresses(name, tensor.numel()):
             pipe.stats.add_float(tensor.numel() * tensor.element_size(), pipe.size)
             return tensor, _PASS
-        g = pipe.start(name, [(name, tensor)], what=repr(name), send_when_shared=False)
-        if self.config.share_scaler:
-            pipe.share(g)
-            pipe.coder.raise_nonfinite(g.items)
-        pipe.send(g)
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        with self._lock:
+            for earlier in self._pending:  # their scalers may be back: start their transports beside backward
+                pipe.progress(earlier)
+            g = pipe.start(name, [(name, tensor)], what=repr(name))
+            self._pending.append(g)
+            self._watchdog.started[g] = time.monotonic()
         return torch.zeros(1, dtype=torch.float32, device=tensor.device), g
+
+    def _send_all(self, pipe: Pipeline) -> None:
+        """Start every pending tensor's transport, then every second collective, before any wait for codes.
+        Ranks decompress in their own order of compress() calls, which differs where their backward reached
+        different parameters; a rank waiting for one tensor's codes before it has sent the others' would wait
+        for a peer that waits for it."""
+        pending, self._pending = self._pending, []
+        self._watchdog.started.clear()
+        for g in pending:  # every scaler allreduce was started on every rank: these waits end
+            if g.stage is Stage.SCALER:
+                pipe.progress(g, block=True)
+        for g in pending:
+            pipe.progress(g, block=True)
 
     def _check_stock_options(self) -> None:
         cfg = self.config
@@ -188,7 +213,10 @@ class TernGrad(Compressor):
                 return tensor
             pipe = self.pipeline
             g: Group = ctx
-            (avg,) = pipe.finish(g)
+            with self._lock:
+                if self._pending:  # the step's first decompress(): every rank has compressed every tensor
+                    self._send_all(pipe)
+                (avg,) = pipe.finish(g)
             pipe.coder.raise_nonfinite(g.items)
             it = g.items[0]
             return avg.view(it.shape).to(it.dtype)
@@ -197,3 +225,41 @@ class TernGrad(Compressor):
             if self._done == self._calls:  # the stock synchronize() compresses everything before decoding
                 self._calls = self._done = 0
                 self.pipeline.next_step()
+
+
+class _Watchdog:
+    """The bound on the waits the stock optimizer makes inside Horovod.
+
+    compress() never blocks, so a rank whose peer never starts a tensor (a stuck rank, another process set, other
+    options) waits in Horovod's own synchronize(), which has no bound and which no error can leave. This thread
+    watches the scaler Max allreduces in flight: one not done timeout_s after it started means a peer never
+    joined it, as a bounded wait would have found. Then it prints why, naming the tensor and this rank, and ends
+    this process, which ends the job (mpirun stops the others)."""
+
+    def __init__(self, tg: TernGrad):
+        self.tg = tg
+        self.started: dict[Group, float] = {}  # the step's groups whose scalers may still be in flight
+        self.period = min(1.0, tg.config.timeout_s / 8)
+        threading.Thread(target=self._run, name="hvd_terngrad-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period)
+            if not self.tg._lock.acquire(timeout=self.period):
+                continue  # the training thread is in TernGrad's own waits, which are bounded
+            try:
+                late = self._late()
+            finally:
+                self.tg._lock.release()
+            if late is not None:
+                print(self.tg.world._timeout_message(f"the scaler Max allreduce of {late.what}") + " The stock "
+                      "hvd.DistributedOptimizer waits for it inside Horovod, where no error reaches the training "
+                      "loop: ending this rank.", file=sys.stderr, flush=True)
+                os._exit(3)
+
+    def _late(self) -> Group | None:
+        now, comm = time.monotonic(), self.tg.pipeline.comm
+        for g, t0 in self.started.items():
+            if g.stage is Stage.SCALER and now - t0 > self.tg.config.timeout_s and not comm.poll(g.scaler_handle):
+                return g
+        return None

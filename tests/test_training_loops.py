@@ -1,0 +1,74 @@
+"""Training loops as people write them, on real ranks: here, ranks whose backward reaches different parameters
+(conditional branches, multi-task heads, expert routing). Horovod's synchronize() allreduces the gradients a
+rank did not produce as zeros, after backward; TernGrad must not wait for a peer inside backward meanwhile."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.mpi_harness import run_ranks
+
+pytestmark = pytest.mark.mpi
+STEPS = 4
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(100, 10), nn.Linear(10, 10), nn.Linear(10, 10)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        a = self.fc2(x)
+        return a, self.fc3(F.relu(a))
+
+
+def body_rank_dependent_parameters(fronts, transports):
+    """Rank 0's loss never reaches fc3. Every (front end, transport): parameters after STEPS steps."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd.init()
+    torch.set_num_threads(1)
+    out = {}
+    for front in fronts:
+        for transport in transports:
+            model = _TwoHeads()
+            named = list(model.named_parameters())
+            base = torch.optim.SGD(model.parameters(), lr=0.1)
+            if front == "none":
+                opt = hvd.DistributedOptimizer(base, named_parameters=named)
+            elif front == "stock":
+                tg = hvd_terngrad.TernGrad(named, min_numel=1, timeout_s=20, transport=transport)
+                opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg)
+            else:
+                tg = hvd_terngrad.TernGrad(min_numel=1, timeout_s=20, transport=transport)
+                opt = hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+            g = torch.Generator().manual_seed(hvd.rank())
+            for _ in range(STEPS):
+                x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
+                a, b = model(x)
+                loss = F.mse_loss(a if hvd.rank() == 0 else b, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            out[(front, transport)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+def test_ranks_that_reach_different_parameters_train_with_both_optimizers():
+    fronts, transports = ["none", "stock", "hvd_terngrad"], ["allgather", "sharded"]
+    res = run_ranks("tests.test_training_loops:body_rank_dependent_parameters", np=2, timeout=120,
+                    args=(fronts, transports))
+    for key in res[0]:
+        assert torch.equal(res[0][key], res[1][key]), key  # the ranks agree
+        assert torch.isfinite(res[0][key]).all(), key
+    for t in transports:  # both TernGrad front ends give the same bits, and they moved the model
+        assert torch.equal(res[0][("stock", t)], res[0][("hvd_terngrad", t)]), t
+        assert not torch.equal(res[0][("stock", t)], _initial()), t
+
+
+def _initial():
+    return torch.cat([p.detach().reshape(-1) for p in _TwoHeads().parameters()])
