@@ -99,7 +99,7 @@ class ComputeProbe:
     starts, each parameter's gradient is ready (when a Horovod hook could send it). Collective: every rank
     makes the same calls. Its steps can be interleaved with a timed run (benchmarks/synthetic.py
     --compute-probe), so that both see the machine at the same speed: a worker's compute can switch between
-    speeds for seconds at a time (README, performance model).
+    speeds for seconds at a time (docs/performance-model.md).
 
     casts=True also times, after backward and outside the step's time, Horovod's Compression.fp16 on every
     gradient as training does it: a cast to fp16 of each, then a cast back set into p.grad. With
@@ -334,7 +334,7 @@ def measure_collective(kind: str, comm_reps: int, beside_reps: int, alone_rate: 
     blocking int8 sum, beside compute on this worker's core together with how much it slows that compute (the
     main thread's rate of matrix products, against alone). MPI over TCP progresses only when Horovod's thread
     gets the core, which a computing main thread holds for its time slice: a call waits on that once per
-    message exchange, so the stretch depends on size (docs: README, performance model). Collective."""
+    message exchange, so the stretch depends on size (docs/performance-model.md). Collective."""
     import horovod.torch as hvd
 
     n = hvd.size()

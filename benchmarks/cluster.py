@@ -95,7 +95,7 @@ class EmulatedCluster:
         self.profile = profile
         # Node i runs on core cpus[i % len(cpus)]. Unpinned, the scheduler moves N ranks and their Horovod
         # threads across the shared cores unevenly, and compute time varies twofold from run to run; pinned,
-        # each node gets the even share a dedicated node would (figures: README, emulated clusters).
+        # each node gets the even share a dedicated node would (figures: docs/clusters.md).
         self.cpus = sorted(os.sched_getaffinity(0)) if pin else None
         self.tag = f"{os.getpid() % 10000:04d}{random.randint(0, 99):02d}"
         self.bridge = f"tgb{self.tag}"

@@ -64,7 +64,7 @@ class Task:
     epochs: int  # passes over the training set, whatever N
     classifier: str = "head.*"  # excluded from coding, as in the paper
     min_steps: int = 0  # at least this many steps, where the epochs at a large N would give too few to learn
-    # Off in the suite; for recipe studies with --set (README: the LM's recipe):
+    # Off in the suite; for recipe studies with --set (docs/results.md: the LM's recipe):
     warmup: float = 0.0  # fraction of the steps over which the learning rate ramps up linearly
     clip_norm: float = 0.0  # > 0: the averaged gradient's global norm is clipped to it, as after synchronize()
 

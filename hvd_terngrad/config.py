@@ -113,7 +113,7 @@ class TernGradConfig:
     @classmethod
     def recommended(cls, **overrides) -> TernGradConfig:
         """No clipping, error feedback and a scaler per 64 elements: the configuration that loses nowhere in the
-        fidelity suite (its figures, and how to re-measure them: README, fidelity). The price: 12.8x
+        fidelity suite (its figures, and how to re-measure them: docs/results.md). The price: 12.8x
         compression instead of 16x, and one fp32 copy of the coded gradients for the residuals."""
         return cls(**{"clip": 0.0, "error_feedback": True, "block_size": 64, **overrides})
 
@@ -152,7 +152,7 @@ class TernGradConfig:
         """Per block, the scaler rule of scaler() with the block's max|g| (absmax: fp64 per block) and the
         tensor's std: fp32 min(c * std, max_b|g|). Clipping stays per tensor: per-block c * std_b clipped other
         elements than the paper does and, measured on the fidelity suite's gradients, added variance where it
-        removed bias (README, block scalers)."""
+        removed bias (docs/results.md, block scalers)."""
         s = absmax.double()
         if self.clip > 0 and st.std > 0:
             s = s.clamp(max=self.clip * st.std)
