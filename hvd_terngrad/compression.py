@@ -129,6 +129,14 @@ class TernGrad(Compressor):
         """StatsRecorder: .last is the last finished step (StepStats), .history the recent ones."""
         return self.pipeline.stats
 
+    def state_dict(self) -> dict:
+        """This rank's TernGrad state for a checkpoint (Pipeline.state_dict): save it beside the model's and
+        the optimizer's, one file a rank, and load_state_dict() it before the next step."""
+        return self.pipeline.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pipeline.load_state_dict(state)
+
     def _connected(self) -> TernGrad:
         """Connected, without a collective: a property never starts one, so with hierarchical=True only
         connect() (or the first step) may."""

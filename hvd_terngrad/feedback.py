@@ -40,3 +40,12 @@ class ErrorFeedback:
 
     def keep_owner(self, key: str, avg: torch.Tensor, sent: torch.Tensor) -> None:
         self.owner[key] = avg - sent
+
+    def state_dict(self) -> dict:
+        """Copies of the residuals, for a checkpoint."""
+        return {"worker": {k: v.detach().clone() for k, v in self.worker.items()},
+                "owner": {k: v.detach().clone() for k, v in self.owner.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker = {k: v.clone() for k, v in state["worker"].items()}
+        self.owner = {k: v.clone() for k, v in state["owner"].items()}

@@ -18,6 +18,7 @@ scalers, every tensor's block scalers follow, in item order.
 from __future__ import annotations
 
 import enum
+import warnings
 
 import torch
 
@@ -26,6 +27,16 @@ from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import resolve_transport
+
+STATE_VERSION = 1  # of state_dict()
+
+
+def coding_options(config: TernGradConfig) -> dict:
+    """The options that change what is coded or what a residual means (not how fast, nor how long to wait)."""
+    keep = ("clip", "share_scaler", "min_numel", "exclude", "seed", "error_feedback", "owner_error_feedback",
+            "transport", "hierarchical", "block_size")
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
+            ((k, getattr(config, k)) for k in keep)}
 
 
 class Stage(enum.Enum):
@@ -82,6 +93,35 @@ class Pipeline:
 
     def next_step(self) -> None:
         self.coder.next_step()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this rank's TernGrad: the step (it keys every draw), the error-feedback
+        residuals, and what they are valid for (the options that change the codes, the world size, the rank).
+        Each rank saves its own: residuals differ between ranks."""
+        return {"version": STATE_VERSION, "step": self.step, "rank": self.rank, "size": self.size,
+                "options": coding_options(self.config), "feedback": self.coder.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the same step and residuals, so training goes on bit for bit. Options
+        that change the codes must be the same (ValueError naming them); on another world size or rank the
+        residuals belong to other ranks' gradients and are dropped, with a warning."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"hvd_terngrad: a TernGrad state of version {state.get('version')!r}; this version "
+                             f"reads {STATE_VERSION}")
+        mine = coding_options(self.config)
+        differ = sorted(k for k in mine.keys() | state["options"].keys() if mine.get(k) != state["options"].get(k))
+        if differ:
+            raise ValueError("hvd_terngrad: the TernGrad state was saved with other options ("
+                             + ", ".join(f"{k}={state['options'].get(k)!r}, now {mine.get(k)!r}" for k in differ)
+                             + f"), on rank {self.rank}: load it with the same options, or start without it")
+        self.coder.step = state["step"]
+        self.coder.stats.current.step = state["step"]
+        if (state["size"], state["rank"]) != (self.size, self.rank):
+            warnings.warn(f"hvd_terngrad: the TernGrad state was saved by rank {state['rank']} of {state['size']}, "
+                          f"loaded on rank {self.rank} of {self.size}: its error-feedback residuals are dropped",
+                          stacklevel=2)
+            return
+        self.coder.feedback.load_state_dict(state["feedback"])
 
     # ------------------------------------------------------------------------------------------
     def start(self, key: str, named: list[tuple[str, torch.Tensor]], what: str | None = None,

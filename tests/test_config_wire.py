@@ -139,3 +139,27 @@ def test_stats_time_each_phase_in_wall_and_cpu_seconds():
     assert c.time_comm >= 0.05 and c.cpu_comm < 0.02
     assert c.time_encode >= 0.05 and 0.02 < c.cpu_encode <= c.time_encode + 0.01
     assert c.cpu_decode == c.time_decode == 0.0
+
+
+def test_terngrad_state_loads_only_where_it_means_the_same():
+    """state_dict(): the step and the residuals; other coding options are a ValueError naming them, another
+    world size or rank drops the residuals with a warning, and speed options do not matter."""
+    import warnings
+
+    from tests.loopback import pipelines
+
+    named = [[("w", torch.randn(300) * (r + 1))] for r in range(2)]
+    run = exchange(2, named, min_numel=1, error_feedback=True, step=7)
+    state = run.pipes[1].state_dict()
+    assert state["step"] == 7 and set(state["feedback"]["worker"]) == {"w"}
+    p = pipelines(2, TernGradConfig(min_numel=1, error_feedback=True, num_threads=1, timeout_s=5))[1]
+    p.load_state_dict(state)
+    assert p.step == 7 and torch.equal(p.coder.feedback.worker["w"], run.pipes[1].coder.feedback.worker["w"])
+    with pytest.raises(ValueError, match=r"other options \(clip=2.5, now 0.0\), on rank 1"):
+        pipelines(2, TernGradConfig(min_numel=1, error_feedback=True, clip=0.0))[1].load_state_dict(state)
+    other = pipelines(4, TernGradConfig(min_numel=1, error_feedback=True))[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(state)
+    assert "saved by rank 1 of 2, loaded on rank 1 of 4" in str(caught[0].message)
+    assert other.step == 7 and not other.coder.feedback.worker

@@ -72,3 +72,69 @@ def test_ranks_that_reach_different_parameters_train_with_both_optimizers():
 
 def _initial():
     return torch.cat([p.detach().reshape(-1) for p in _TwoHeads().parameters()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: model, optimizer and TernGrad state saved after K steps, a new job resumes for K more
+K = 3
+
+
+def _ckpt_run(front: str, steps: range, workdir: str, save: bool, load: bool, load_terngrad: bool = True):
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    model = _TwoHeads()
+    named = list(model.named_parameters())
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1, error_feedback=True, seed=5)
+    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else \
+        hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+    path = f"{workdir}/{front}.rank{hvd.rank()}.pt"
+    if load:
+        state = torch.load(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if load_terngrad:
+            tg.load_state_dict(state["terngrad"])
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + hvd.rank())
+        x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
+        a, b = model(x)
+        opt.zero_grad()
+        F.mse_loss(a + b, y).backward()
+        opt.step()
+    if save:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "terngrad": tg.state_dict()}, path)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), tg.pipeline.step
+
+
+def body_checkpoint(phase: str, workdir: str):
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    out = {}
+    for front in ("stock", "hvd_terngrad"):
+        if phase == "first":
+            out[(front, "straight")] = _ckpt_run(front, range(2 * K), workdir, save=False, load=False)
+            out[(front, "first")] = _ckpt_run(front, range(K), workdir, save=True, load=False)
+        else:
+            out[(front, "resumed")] = _ckpt_run(front, range(K, 2 * K), workdir, save=False, load=True)
+            out[(front, "without")] = _ckpt_run(front, range(K, 2 * K), workdir, save=False, load=True,
+                                                load_terngrad=False)
+    return out
+
+
+def test_a_resumed_job_trains_on_bit_for_bit_with_error_feedback(tmp_path):
+    first = run_ranks("tests.test_training_loops:body_checkpoint", np=2, timeout=120, args=("first", str(tmp_path)))
+    resumed = run_ranks("tests.test_training_loops:body_checkpoint", np=2, timeout=120,
+                        args=("resume", str(tmp_path)))
+    for r in range(2):
+        for front in ("stock", "hvd_terngrad"):
+            straight, step = first[r][(front, "straight")]
+            got, got_step = resumed[r][(front, "resumed")]
+            assert got_step == step == 2 * K, front
+            assert torch.equal(got, straight), (front, r, float((got - straight).abs().max()))
+            # resumed without TernGrad's state (step and residuals), the run differs: the state matters
+            assert not torch.equal(resumed[r][(front, "without")][0], straight), front
