@@ -152,4 +152,5 @@ class Coder:
             raise NonFiniteGradientError(
                 f"hvd_terngrad: non-finite (NaN/Inf) gradient in {it.name!r} on rank {it.nonfinite_rank} at step "
                 f"{self.step} (reported on rank {self.rank}; affected: {names}). Every rank raises this in the "
-                f"same step; pass on_nonfinite='skip' to hvd_terngrad.DistributedOptimizer to skip such steps.")
+                f"same step; on_nonfinite='skip' (hvd_terngrad.DistributedOptimizer) skips such steps, and "
+                f"on_nonfinite='propagate' hands AMP's GradScaler a NaN average instead.")

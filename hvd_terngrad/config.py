@@ -20,7 +20,7 @@ from hvd_terngrad.transports import TRANSPORTS as _TABLE
 from hvd_terngrad.wire import payload_tag, tensor_id  # noqa: F401  (their home is the wire format)
 
 TRANSPORTS = (*_TABLE, "auto")
-ON_NONFINITE = ("raise", "skip")
+ON_NONFINITE = ("raise", "skip", "propagate")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class TernGradConfig:
         hvd_terngrad optimizer only), "sharded" (code sums through shard owners: an alltoall and an allgather,
         bit-identical to allgather), "sharded-ternary" (the owners ternarize their reply again; about 16x below
         an FP32 ring at any N), or "auto" (the cost model's choice per bucket from N and the link).
-    on_nonfinite: "raise" an error on every rank, or "skip" the step on every rank
-        (skip needs hvd_terngrad.DistributedOptimizer, which owns the step).
+    on_nonfinite: "raise" an error on every rank, "skip" the step on every rank (skip needs
+        hvd_terngrad.DistributedOptimizer, which owns the step), or "propagate": the tensor's average is NaN on
+        every rank, as a float average would be, so that AMP's GradScaler sees the overflow, skips the step
+        and lowers its scale (both optimizers).
     num_threads: CPU codec threads (default: torch.get_num_threads()).
     hierarchical: nodes with several ranks average inside the node in float and code only between nodes,
         one rank a node per bucket, then broadcast inside the node (hvd_terngrad.hierarchy; the

@@ -252,7 +252,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._delay[p] = self.backward_passes_per_step
             self._synchronized = True
         try:
-            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank)
+            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank,
+                                          lambda name: self._grad(self._param_of[name]))
         finally:
             self._pipe.next_step()
 
@@ -303,14 +304,19 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
-def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int) -> bool:
+def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int, grad_of) -> bool:
     """A step's verdict on non-finite averages (the same on every rank): whether to skip it (on_nonfinite=
-    "skip"), or raise NonFiniteGradientError naming the tensor."""
+    "skip"); with "propagate" the coded ones become NaN (grad_of: a name's gradient), as a float average would
+    be, for AMP's GradScaler to find; else NonFiniteGradientError naming the tensor."""
     if not (bad or float_bad):
         return False
     if cfg.on_nonfinite == "skip":
         pipe.stats.current.skipped = True
         return True
+    if cfg.on_nonfinite == "propagate":
+        for it in bad:
+            grad_of(it.name).fill_(float("nan"))
+        return False
     pipe.coder.raise_nonfinite(bad)
     raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at "
                                  f"step {pipe.step} on rank {rank}; every rank sees the same average")

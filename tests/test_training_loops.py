@@ -138,3 +138,55 @@ def test_a_resumed_job_trains_on_bit_for_bit_with_error_feedback(tmp_path):
             assert torch.equal(got, straight), (front, r, float((got - straight).abs().max()))
             # resumed without TernGrad's state (step and residuals), the run differs: the state matters
             assert not torch.equal(resumed[r][(front, "without")][0], straight), front
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision: AMP's GradScaler, as Horovod documents it, with an overflow on one rank
+def body_amp_overflow(fronts, dtype_name):
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd.init()
+    torch.set_num_threads(1)
+    out = {}
+    for front in fronts:
+        model = _TwoHeads()
+        named = list(model.named_parameters())
+        base = torch.optim.SGD(model.parameters(), lr=0.1)
+        tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1, on_nonfinite="propagate")
+        opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else \
+            hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scales, params = [], []
+        for step in range(5):
+            g = torch.Generator().manual_seed(100 * step + hvd.rank())
+            x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
+            with torch.autocast("cpu", dtype=getattr(torch, dtype_name)):
+                a, b = model(x)
+                loss = F.mse_loss((a + b).float(), y)
+            if step == 2 and hvd.rank() == 1:
+                loss = loss * float("inf")  # this rank's scaled gradients overflow
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        out[front] = (scales, params)
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_an_overflow_on_one_rank_makes_every_rank_skip_and_lower_the_scale(dtype_name):
+    res = run_ranks("tests.test_training_loops:body_amp_overflow", np=2, timeout=120,
+                    args=(["stock", "hvd_terngrad"], dtype_name))
+    for front in ("stock", "hvd_terngrad"):
+        (scales, params), (scales1, params1) = res[0][front], res[1][front]
+        assert scales == scales1 and all(torch.equal(a, b) for a, b in zip(params, params1)), front
+        assert scales[2] == scales[1] / 2, (front, scales)  # the overflow lowered the scale on both ranks
+        assert torch.equal(params[2], params[1]), front  # and both skipped the step
+        assert not torch.equal(params[3], params[2]) and torch.isfinite(params[4]).all(), front  # training goes on
