@@ -190,3 +190,79 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip_and_lower_the_scale(dtype
         assert scales[2] == scales[1] / 2, (front, scales)  # the overflow lowered the scale on both ranks
         assert torch.equal(params[2], params[1]), front  # and both skipped the step
         assert not torch.equal(params[3], params[2]) and torch.isfinite(params[4]).all(), front  # training goes on
+
+
+# ---------------------------------------------------------------------------------------------
+# The rest of a training loop: one launch runs every pattern with both optimizers
+LOOP_STEPS = 4
+
+
+def _loop(front: str, pattern: str):
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    model = _TwoHeads()
+    net = torch.compile(model, backend="aot_eager") if pattern == "compile" else model
+    named = list(model.named_parameters())
+    # a frozen parameter gets a zero gradient from Horovod (as with Compression.none), which momentum would
+    # still move: the freeze pattern steps without it
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if pattern == "freeze" else 0.9)
+    passes = 2 if pattern == "accumulate" else 1
+    tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1)
+    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg, backward_passes_per_step=passes) \
+        if front == "stock" else hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg,
+                                                                   backward_passes_per_step=passes)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if pattern == "scheduler" else None
+    norms, frozen_at = [], None
+    for step in range(LOOP_STEPS):
+        if pattern == "freeze" and step == 1:
+            model.fc1.weight.requires_grad_(False)
+            frozen_at = model.fc1.weight.detach().clone()
+        if pattern == "zero-grad-keep":  # Horovod's own zero_grad() takes no set_to_none; ours does
+            (model if front == "stock" else opt).zero_grad(set_to_none=False)
+        else:
+            opt.zero_grad()
+        for k in range(passes):
+            g = torch.Generator().manual_seed(1000 * step + 10 * k + hvd.rank())
+            a, b = net(torch.randn(8, 100, generator=g))
+            F.mse_loss(a + b, torch.randn(8, 10, generator=g)).backward()
+        if pattern == "clip":  # Horovod's documented pattern: clip the averaged gradient, then step
+            opt.synchronize()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    frozen_ok = frozen_at is None or torch.equal(model.fc1.weight.detach(), frozen_at)
+    return params, norms, frozen_ok, opt.param_groups[0]["lr"]
+
+
+LOOP_PATTERNS = ["clip", "accumulate", "compile", "zero-grad-none", "zero-grad-keep", "scheduler", "freeze"]
+
+
+def body_loops(patterns):
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    return {(front, p): _loop(front, p) for p in patterns for front in ("stock", "hvd_terngrad")}
+
+
+def test_training_loop_patterns_with_both_optimizers():
+    res = run_ranks("tests.test_training_loops:body_loops", np=2, timeout=240, args=(LOOP_PATTERNS,))
+    for key, (params, norms, frozen_ok, lr) in res[0].items():
+        other = res[1][key]
+        assert torch.equal(params, other[0]) and norms == other[1], key  # the ranks agree
+        assert torch.isfinite(params).all() and frozen_ok, key
+        assert not torch.equal(params, _initial()), key
+        if key[1] == "clip":  # the clipped average is what both ranks stepped with
+            assert all(n <= 0.05 * (1 + 1e-5) for n in norms[1::2]) and max(norms[0::2]) > 0.05, norms
+        if key[1] == "scheduler":
+            assert lr == 0.1 * 0.5 ** LOOP_STEPS, lr
+    for p in LOOP_PATTERNS:  # the two optimizers give the same bits in every pattern
+        assert torch.equal(res[0][("stock", p)][0], res[0][("hvd_terngrad", p)][0]), p
