@@ -273,3 +273,35 @@ class _Watchdog:
             if g.stage is Stage.SCALER and now - t0 > self.tg.config.timeout_s and not comm.poll(g.scaler_handle):
                 return g
         return None
+
+
+def _register_elastic_handler() -> None:
+    """hvd.elastic.TorchState(model, optimizer, terngrad=tg) keeps TernGrad's state too: its step and its
+    error-feedback residuals are saved at each commit() and restored with the model on a reset; sync() gives
+    every rank rank 0's step, which keys every draw and which the payload headers check."""
+    from horovod.torch.elastic import state as elastic_state
+
+    class TernGradStateHandler(elastic_state.StateHandler):
+        def __init__(self, tg: TernGrad):
+            super().__init__(tg)
+            self._saved = None
+            self.save()
+
+        def save(self):
+            tg = self.value
+            self._saved = tg.state_dict() if tg._pipeline is not None or not tg.config.hierarchical else None
+
+        def restore(self):
+            if self._saved is not None:
+                self.value.load_state_dict(self._saved)
+
+        def sync(self):
+            pipe = self.value.pipeline
+            pipe.coder.step = int(hvd.broadcast_object(pipe.step, root_rank=0, name="terngrad.elastic.step"))
+
+    registry = elastic_state.get_handler_registry()
+    if not any(cls is TernGrad for cls, _ in registry):
+        elastic_state.set_handler_registry([*registry, (TernGrad, TernGradStateHandler)])
+
+
+_register_elastic_handler()

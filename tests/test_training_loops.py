@@ -266,3 +266,46 @@ def test_training_loop_patterns_with_both_optimizers():
             assert lr == 0.1 * 0.5 ** LOOP_STEPS, lr
     for p in LOOP_PATTERNS:  # the two optimizers give the same bits in every pattern
         assert torch.equal(res[0][("stock", p)][0], res[0][("hvd_terngrad", p)][0]), p
+
+
+def body_elastic_state(front: str):
+    """hvd.elastic.TorchState carries TernGrad's state: commit after K steps, train on, restore (as a reset
+    does), train K more: the result equals 2K steps straight."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    straight, _ = _ckpt_run(front, range(2 * K), "/nonexistent", save=False, load=False)
+
+    import hvd_terngrad
+
+    model = _TwoHeads()
+    named = list(model.named_parameters())
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1, error_feedback=True, seed=5)
+    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else \
+        hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+    state = hvd.elastic.TorchState(model, opt, terngrad=tg)
+
+    def train(steps):
+        for step in steps:
+            g = torch.Generator().manual_seed(100 * step + hvd.rank())
+            x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
+            a, b = model(x)
+            opt.zero_grad()
+            F.mse_loss(a + b, y).backward()
+            opt.step()
+
+    train(range(K))
+    state.commit()
+    train(range(K, K + 2))  # lost to the "reset"
+    state.restore()
+    state.sync()
+    train(range(K, 2 * K))
+    return torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), straight), tg.pipeline.step
+
+
+@pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
+def test_horovod_elastic_state_carries_terngrad_through_a_restore(front):
+    res = run_ranks("tests.test_training_loops:body_elastic_state", np=2, timeout=120, args=(front,))
+    assert res == [(True, 2 * K)] * 2, res
