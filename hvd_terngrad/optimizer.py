@@ -106,15 +106,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._param_of = {n: p for n, p in self._named}
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for _, p in self._named}
-
-        groups, floats = plan_buckets([(n, p.numel(), p.element_size()) for n, p in self._named], self._cfg,
-                                      bucket_bytes)
-        self._float_params = [self._named[i][1] for i in floats]
-        self._buckets: list[_Bucket] = [_Bucket(k, [self._named[i][1] for i in g]) for k, g in enumerate(groups)]
-        self._bucket_of = {}
-        for b in self._buckets:
-            for p in b.params:
-                self._bucket_of[p] = b
+        self._bucket_bytes = bucket_bytes
+        self._plan()
 
         self._uncoded = _Uncoded(self._world, self._pipe.stats)
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
@@ -126,9 +119,35 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if self._world.size > 1:
             self._register_hooks()
 
+    def _plan(self):
+        """Buckets of the coded parameters, as buckets.plan_buckets plans them (the performance model too)."""
+        groups, _ = plan_buckets([(n, p.numel(), p.element_size()) for n, p in self._named], self._cfg,
+                                 self._bucket_bytes)
+        self._buckets: list[_Bucket] = [_Bucket(k, [self._named[i][1] for i in g]) for k, g in enumerate(groups)]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group; its parameters are averaged from the next backward on, named by their place
+        (allreduce.noname.<group>.<index>), and the buckets are planned again. (The stock hvd optimizer
+        registers its hooks only when built, and leaves such parameters unaveraged.)"""
+        super(self.__class__, self).add_param_group(param_group)
+        if not hasattr(self, "_bucket_bytes"):  # the groups torch's constructor adds: __init__ names them
+            return
+        if self._fired or any(b.busy for b in self._buckets):
+            raise AssertionError("add_param_group() between backward and step(): add groups between steps")
+        k = len(self.param_groups) - 1
+        new = [(f"allreduce.noname.{k}.{j}", p) for j, p in enumerate(self.param_groups[k]["params"])
+               if p.requires_grad and p not in self._name_of]
+        self._named += new
+        for n, p in new:
+            self._name_of[p], self._param_of[n], self._delay[p] = n, p, self.backward_passes_per_step
+        self._plan()
+        if self._world.size > 1:
+            self._register_hooks([p for _, p in new])
+
     # ------------------------------------------------------------------------------------------
-    def _register_hooks(self):
-        for _, p in self._named:
+    def _register_hooks(self, params=None):
+        for p in params if params is not None else [p for _, p in self._named]:
             p_tmp = p.expand_as(p)
             grad_acc = p_tmp.grad_fn.next_functions[0][0]
             grad_acc.register_hook(self._make_hook(p))

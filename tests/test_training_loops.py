@@ -309,3 +309,34 @@ def body_elastic_state(front: str):
 def test_horovod_elastic_state_carries_terngrad_through_a_restore(front):
     res = run_ranks("tests.test_training_loops:body_elastic_state", np=2, timeout=120, args=(front,))
     assert res == [(True, 2 * K)] * 2, res
+
+
+def body_added_group():
+    """A parameter group added after step 1 (a head unfrozen in fine-tuning, say): its gradients are averaged,
+    coded, from the next backward on (hvd_terngrad's optimizer)."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd.init()
+    torch.set_num_threads(1)
+    model, extra = _TwoHeads(), nn.Linear(10, 10)
+    tg = hvd_terngrad.TernGrad(min_numel=1)
+    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), compression=tg)
+    for step in range(4):
+        if step == 1:
+            opt.add_param_group({"params": list(extra.parameters()), "lr": 0.05})
+        g = torch.Generator().manual_seed(100 * step + hvd.rank())
+        a, b = model(torch.randn(8, 100, generator=g))
+        F.mse_loss(a + extra(b), torch.randn(8, 10, generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in [*model.parameters(), *extra.parameters()]], tg.stats.last.tensors_coded
+
+
+def test_a_parameter_group_added_mid_training_is_averaged():
+    res = run_ranks("tests.test_training_loops:body_added_group", np=2, timeout=120)
+    (p0, coded), (p1, _) = res
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # the new group too: its gradients were averaged
+    assert coded == 8  # six of the model's tensors and the group's two, all coded (min_numel=1)
