@@ -74,8 +74,10 @@ def fit(points: list[tuple[float, float]]) -> dict:
     a = (st - slope * sx) / sw
     if a < 0:  # through the origin
         a, slope = 0.0, sxt / sxx
+    if slope <= 0:  # times that do not grow with size (noise on a busy machine): a latency, no bandwidth term
+        a, slope = st / sw, 0.0
     worst = max(abs((a + x * slope) / t - 1) for x, t in points)
-    return {"latency_s": a, "bandwidth_Bps": 1.0 / slope, "worst_fit_error": worst}
+    return {"latency_s": a, "bandwidth_Bps": 1.0 / slope if slope > 0 else float("inf"), "worst_fit_error": worst}
 
 
 # ---------------------------------------------------------------------------------------------- rank side

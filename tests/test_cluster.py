@@ -20,7 +20,9 @@ try:
 except ClusterUnavailable as exc:
     REASON = str(exc)
 
-pytestmark = [pytest.mark.mpi, pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster: {REASON}")]
+# timed runs: on the container job's pytest worker, so never beside its image build (make test runs two workers)
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("container"),
+              pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster: {REASON}")]
 
 
 def _namespaces() -> set:

@@ -1,0 +1,64 @@
+"""TernGrad as a DDP communication hook (hvd_terngrad.ddp): the same averages as hvd_terngrad's Horovod optimizer,
+on real ranks, for the transports whose average does not depend on how tensors are grouped."""
+import os
+
+import pytest
+import torch
+
+from tests.golden import frontends as G
+from tests.mpi_harness import run_ranks
+
+pytestmark = pytest.mark.mpi
+CASES = [(name, o) for name, o in G.CASES if o.get("transport") != "sharded-ternary"]
+
+
+def _init_gloo(port: int) -> int:
+    import torch.distributed as dist
+
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    return rank
+
+
+def body_ddp(cases, port):
+    """Each case: STEPS steps of DDP with the hook, and of hvd_terngrad's optimizer, in the same processes."""
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    hvd.init()
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    out = {}
+    for name, options in cases:
+        opts = {**G.COMMON, "exclude": (), "min_numel": 1, **options}  # every tensor coded: no float averages
+        model = G.Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = TernGradState(model.named_parameters(), **opts)
+        ddp.register_comm_hook(state, terngrad_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        ref = G.Net()
+        ref_opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                                                    named_parameters=ref.named_parameters(),
+                                                    compression=hvd_terngrad.TernGrad(**opts))
+        for step in range(G.STEPS):
+            for net, o in ((ddp, opt), (ref, ref_opt)):
+                o.zero_grad()
+                G.loss(net, rank, step).backward()
+                o.step()
+        out[name] = (G.digest(model.parameters()), G.digest(ref.parameters()), state.pipeline.step,
+                     state.stats.last.tensors_coded)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
+    res = run_ranks("tests.test_ddp:body_ddp", np=np, timeout=240, args=(CASES, 29611 + np))
+    for name, _ in CASES:
+        ddp, ref, step, coded = res[0][name]
+        assert all(r[name] == res[0][name] for r in res), name  # every rank the same
+        assert step == G.STEPS and coded > 0, (name, step, coded)
+        assert ddp == ref, name
