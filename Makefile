@@ -2,6 +2,7 @@
 #   make train   install what is missing, then the 2-worker digits training (FP32, then TernGrad)
 #   make test    install what is missing, then lint and the full test suite
 #   make docker  build the CPU image and run a 2-container job in it (docker/build.sh --cluster)
+#   make train-ddp  the digits training on PyTorch DDP (torchrun), FP32 and then TernGrad's hook
 SHELL := /bin/bash
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 NP ?= 2
 
-.PHONY: install train test lint docker bench-codec bench-fidelity clean
+.PHONY: install train train-ddp test lint docker bench-codec bench-fidelity clean
 
 install:
 	@bash scripts/install.sh
@@ -18,6 +19,11 @@ install:
 train: install
 	@set -o pipefail; timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits 2>&1 \
 		| $(PY) scripts/rank0_report.py build/train-logs
+
+# the same job on PyTorch DDP with TernGrad's communication hook: torchrun, no Horovod
+train-ddp: install
+	@set -o pipefail; timeout 600 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NP) -m examples.train_digits_ddp 2>&1 \
+		| grep -v '^W[0-9]* .*torch/distributed/run.py\|OMP_NUM_THREADS\|\*\*\*\*\*'
 
 lint: install
 	@$(VENV)/bin/ruff check .

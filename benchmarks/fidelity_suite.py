@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.simulator import SimulatedWorkers
-from examples.train_digits import DigitsCNN, load_data
+from examples.digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError

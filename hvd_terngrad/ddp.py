@@ -106,6 +106,7 @@ class TernGradState:
         floats = None
         if job.floats:  # one float average of the bucket's uncoded tensors
             flat = torch.cat([v.reshape(-1) for _, v in job.floats])
+            pipe.stats.add_float(flat.numel() * flat.element_size(), pipe.size)
             floats = comm.average_async_(flat, name=f"terngrad.float.{job.index}")
         if job.group is not None:
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started

@@ -80,7 +80,7 @@ def identity(device: str) -> dict:
 def training(device: str, epochs: int) -> dict:
     """The digits CNN, 2 simulated workers on `device`: FP32 against TernGrad with the device's backend."""
     from benchmarks.simulator import SimulatedWorkers
-    from examples.train_digits import DigitsCNN, load_data
+    from examples.digits import DigitsCNN, load_data
     from hvd_terngrad import TernGradConfig
 
     (xtr, ytr), (xte, yte) = load_data()

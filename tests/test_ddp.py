@@ -62,3 +62,24 @@ def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
         assert all(r[name] == res[0][name] for r in res), name  # every rank the same
         assert step == G.STEPS and coded > 0, (name, step, coded)
         assert ddp == ref, name
+
+
+def test_the_ddp_job_runs_where_horovod_is_not_installed(tmp_path):
+    """`import hvd_terngrad.ddp` and a 2-rank torchrun training, with any `import horovod` failing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "horovod").mkdir()
+    (tmp_path / "horovod" / "__init__.py").write_text("raise ImportError('horovod is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    check = subprocess.run([sys.executable, "-c", "import sys, hvd_terngrad, hvd_terngrad.ddp; "
+                            "print('horovod' in sys.modules and sys.modules['horovod'] is not None)"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stdout.strip() == "False", check.stderr
+    res = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                          "-m", "examples.train_digits_ddp", "--epochs", "2"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "terngrad: parameters agree across 2 workers" in res.stdout and "| terngrad | 2 |" in res.stdout
