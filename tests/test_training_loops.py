@@ -79,7 +79,8 @@ def _initial():
 K = 3
 
 
-def _ckpt_run(front: str, steps: range, workdir: str, save: bool, load: bool, load_terngrad: bool = True):
+def _with_error_feedback(front: str):
+    """(model, optimizer, TernGrad with error feedback) of `front`, from the same initialization every time."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -90,13 +91,13 @@ def _ckpt_run(front: str, steps: range, workdir: str, save: bool, load: bool, lo
     tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1, error_feedback=True, seed=5)
     opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else \
         hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
-    path = f"{workdir}/{front}.rank{hvd.rank()}.pt"
-    if load:
-        state = torch.load(path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if load_terngrad:
-            tg.load_state_dict(state["terngrad"])
+    return model, opt, tg
+
+
+def _train(model, opt, steps) -> None:
+    """The given steps, each on its own batch per rank (so a resumed run sees the batches it would have)."""
+    import horovod.torch as hvd
+
     for step in steps:
         g = torch.Generator().manual_seed(100 * step + hvd.rank())
         x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
@@ -104,6 +105,20 @@ def _ckpt_run(front: str, steps: range, workdir: str, save: bool, load: bool, lo
         opt.zero_grad()
         F.mse_loss(a + b, y).backward()
         opt.step()
+
+
+def _ckpt_run(front: str, steps: range, workdir: str, save: bool, load: bool, load_terngrad: bool = True):
+    import horovod.torch as hvd
+
+    model, opt, tg = _with_error_feedback(front)
+    path = f"{workdir}/{front}.rank{hvd.rank()}.pt"
+    if load:
+        state = torch.load(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if load_terngrad:
+            tg.load_state_dict(state["terngrad"])
+    _train(model, opt, steps)
     if save:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "terngrad": tg.state_dict()}, path)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), tg.pipeline.step
@@ -276,32 +291,14 @@ def body_elastic_state(front: str):
     hvd.init()
     torch.set_num_threads(1)
     straight, _ = _ckpt_run(front, range(2 * K), "/nonexistent", save=False, load=False)
-
-    import hvd_terngrad
-
-    model = _TwoHeads()
-    named = list(model.named_parameters())
-    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    tg = hvd_terngrad.TernGrad(named if front == "stock" else None, min_numel=1, error_feedback=True, seed=5)
-    opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=tg) if front == "stock" else \
-        hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg)
+    model, opt, tg = _with_error_feedback(front)
     state = hvd.elastic.TorchState(model, opt, terngrad=tg)
-
-    def train(steps):
-        for step in steps:
-            g = torch.Generator().manual_seed(100 * step + hvd.rank())
-            x, y = torch.randn(8, 100, generator=g), torch.randn(8, 10, generator=g)
-            a, b = model(x)
-            opt.zero_grad()
-            F.mse_loss(a + b, y).backward()
-            opt.step()
-
-    train(range(K))
+    _train(model, opt, range(K))
     state.commit()
-    train(range(K, K + 2))  # lost to the "reset"
+    _train(model, opt, range(K, K + 2))  # lost to the "reset"
     state.restore()
     state.sync()
-    train(range(K, 2 * K))
+    _train(model, opt, range(K, 2 * K))
     return torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), straight), tg.pipeline.step
 
 
