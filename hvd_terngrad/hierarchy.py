@@ -75,18 +75,36 @@ class Hierarchy:
         """Whether this rank codes bucket `bucket` between the nodes."""
         return self.cross is not None and self.topology.coder(bucket) == self.topology.local_index
 
-    def broadcast_averages(self, coded: list[tuple[int, str, torch.Tensor]]) -> list[str]:
-        """Each (bucket, name, average) from the rank that coded its bucket to the rest of the node, in place;
-        the names whose average is non-finite. A coder fills a non-finite average with NaN and any other decoded
-        average is finite, so one element tells (a scan of a large tensor costs as much as its broadcast)."""
+    def average_in_node(self, named: list[tuple[str, torch.Tensor]]) -> list:
+        """Step 1 for one bucket: start the float Average of its gradients over the node, in place."""
+        return [(name, self.local.average_async_(g, name=f"terngrad.node.{name}")) for name, g in named]
+
+    def averaged_in_node(self, handles: list) -> bool:
+        return all(self.local.poll(h) for _, h in handles)
+
+    def wait_in_node(self, handles: list) -> None:
+        for name, h in handles:
+            self.local.wait(h, f"the node average of {name!r}")
+
+    def finish_in_node(self, coded: list[tuple[int, str, torch.Tensor]], bad: set[str]) -> list[str]:
+        """Step 3: each (bucket, name, average) from the rank that coded its bucket to the rest of the node, in
+        place; the names whose average is non-finite, the same on every rank. `bad`: the coded tensors this
+        rank found non-finite, which it fills with NaN first. Any other decoded average is finite, so one
+        element tells (a scan of a large tensor costs as much as its broadcast). One node: its float average
+        was the whole exchange, so the check is a scan."""
+        if self.cross is None:
+            return [name for _, name, t in coded if not bool(torch.isfinite(t).all())]
+        for _, name, t in coded:
+            if name in bad:
+                t.fill_(float("nan"))
         handles = [(name, t, self.local.broadcast_async_(t, self.root(k), name=f"terngrad.node.bcast.{name}"))
                    for k, name, t in coded]
-        bad = []
+        out = []
         for name, t, h in handles:
             self.local.wait(h, f"the node broadcast of {name!r}")
             if not math.isfinite(t.reshape(-1)[0].item()):
-                bad.append(name)
-        return bad
+                out.append(name)
+        return out
 
     def root(self, bucket: int) -> int:
         """The coder of `bucket` as Horovod's broadcast names a root within a process set: its global rank."""

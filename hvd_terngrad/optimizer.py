@@ -84,6 +84,39 @@ class _Uncoded:
         return bad
 
 
+class _StepProtocol:
+    """The step protocol of hvd.DistributedOptimizer, as Horovod documents it: step() synchronizes unless inside
+    skip_synchronize() (after an explicit synchronize(), for clipping or AMP's unscale_), skips a step the
+    exchange marked, and zero_grad() between backward and step is an error. Mixed into the optimizer's class."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        if self._skip_next_step:
+            self._skip_next_step = False
+            return None
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._fired or any(b.busy for b in self._buckets):
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
+                                 "race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
 class _TernGradOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression: TernGrad, backward_passes_per_step, process_set,
                  bucket_bytes, sparse_as_dense):
@@ -198,15 +231,13 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if not b.coded:
             return
         if self._hier is not None and self._hier.local is not None:
-            b.node_handles = [self._hier.local.average_async_(self._grad(q), name=f"terngrad.node.{self._name_of[q]}")
-                              for q in b.coded]
+            b.node_handles = self._hier.average_in_node([(self._name_of[q], self._grad(q)) for q in b.coded])
             return
         self._code(b)
 
     def _node_averaged(self, b: _Bucket):
         """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
-        for q, h in zip(b.coded, b.node_handles):
-            self._hier.local.wait(h, f"the node average of {self._name_of[q]!r}")
+        self._hier.wait_in_node(b.node_handles)
         b.node_handles = []
         self._code(b)
 
@@ -219,7 +250,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     def _progress(self):
         for b in self._buckets:
-            if b.node_handles and all(self._hier.local.poll(h) for h in b.node_handles):
+            if b.node_handles and self._hier.averaged_in_node(b.node_handles):
                 self._node_averaged(b)
             if b.group is not None:
                 self._pipe.progress(b.group)
@@ -251,13 +282,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             for b in groups:
                 bad += self._finish_bucket(b)
             float_bad = []
-            if self._hier is not None and self._hier.local is not None:
-                if self._hier.cross is None:  # one node: its float average is the whole exchange
-                    float_bad += [self._name_of[q] for b in self._buckets for q in b.coded
-                                  if not bool(torch.isfinite(self._grad(q)).all())]
-                else:
-                    float_bad += self._node_broadcast(bad)
-                bad = []
+            if self._hier is not None and self._hier.local is not None:  # the node's verdict replaces the codes'
+                coded = [(b.index, self._name_of[q], self._grad(q)) for b in self._buckets for q in b.coded]
+                float_bad, bad = self._hier.finish_in_node(coded, {it.name for it in bad}), []
             float_bad += self._uncoded.finish(self._name_of, self._grad)
             for p, dense in self._densified.items():
                 p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
@@ -276,14 +303,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         finally:
             self._pipe.next_step()
 
-    def _node_broadcast(self, bad: list) -> list[str]:
-        """Hierarchical: each bucket's decoded average from its coder to the rest of its node; the names of the
-        coded tensors whose average is non-finite, the same on every rank."""
-        for it in bad:  # the coder knows a non-finite average from the scalers: NaN tells its node
-            self._grad(self._param_of[it.name]).fill_(float("nan"))
-        coded = [(b.index, self._name_of[q], self._grad(q)) for b in self._buckets for q in b.coded]
-        return self._hier.broadcast_averages(coded)
-
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
         grads = [self._grad(p) for p in b.coded]
@@ -294,33 +313,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             if out.data_ptr() != g.data_ptr():
                 g.copy_(out.view(g.shape))
         return self._pipe.nonfinite(b.group)
-
-    @contextmanager
-    def skip_synchronize(self):
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown.", stacklevel=2)
-            self.synchronize()
-        self._synchronized = False
-        if self._skip_next_step:
-            self._skip_next_step = False
-            return None
-        return super(self.__class__, self).step(closure)
-
-    def zero_grad(self, *args, **kwargs):
-        if self._fired or any(b.busy for b in self._buckets):
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
-                                 "race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 
 def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int, grad_of) -> bool:
@@ -384,6 +376,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError("num_groups/groups are not used: hvd_terngrad buckets coded tensors itself (bucket_bytes=)")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_TernGradOptimizer.__dict__))
+    protocol = {k: v for k, v in _StepProtocol.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    methods = {**protocol, **_TernGradOptimizer.__dict__}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, process_set,
                bucket_bytes, sparse_as_dense)
