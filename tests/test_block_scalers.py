@@ -1,6 +1,6 @@
-"""Block scalers (block_size=, wire format version 2): golden bytes, backends, the scaler rule, the engine's
+"""Block scalers (block_size=, wire format version 2): golden bytes, backends, the scaler rule, the pipeline's
 records and every transport. Real multi-rank jobs with block scalers: tests/test_horovod.py and
-tests/test_simulator.py."""
+tests/test_frontends.py."""
 import json
 import math
 from pathlib import Path

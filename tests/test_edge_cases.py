@@ -64,7 +64,7 @@ def body_sparse(front, sparse_as_dense):
             grads = {n: p.grad.detach().clone() for n, p in named}
             book = None
             if tg is not None:
-                book = {"engine_step": tg.pipeline.step, "scaler": dict(tg.pipeline.coder.scalers_used),
+                book = {"pipeline_step": tg.pipeline.step, "scaler": dict(tg.pipeline.coder.scalers_used),
                         "calls": getattr(tg, "_calls", 0), "done": getattr(tg, "_done", 0)}
             steps.append({"grads": grads, "book": book})
             with opt.skip_synchronize():
@@ -85,8 +85,8 @@ def test_sparse_gradients_pass_through_as_horovod_averages_them(front):
             units = tern["grads"]["fc.weight"] * 2 / s
             assert torch.equal(units, units.round()) and not torch.equal(tern["grads"]["fc.weight"],
                                                                           plain["grads"]["fc.weight"])
-            # one engine step per optimizer step, and nothing left over to shift a later tensor's Philox step
-            assert tern["book"]["engine_step"] == step + 1
+            # one pipeline step per optimizer step, and nothing left over to shift a later tensor's Philox step
+            assert tern["book"]["pipeline_step"] == step + 1
             assert (tern["book"]["calls"], tern["book"]["done"]) == (0, 0)
 
 
@@ -103,7 +103,7 @@ def test_sparse_as_dense_codes_the_embedding_and_hands_it_back_sparse(front):
             seen = set(_lookups(step, 0).reshape(-1).tolist()) | set(_lookups(step, 1).reshape(-1).tolist())
             unseen = [r for r in range(64) if r not in seen]
             assert torch.count_nonzero(g.to_dense()[unseen]) == 0  # rows nobody looked up stay exactly zero
-            assert tern["book"]["engine_step"] == step + 1
+            assert tern["book"]["pipeline_step"] == step + 1
     assert all(torch.equal(a["grads"][n].to_dense(), b["grads"][n].to_dense())
                for a, b in zip(ranks[0][front], ranks[1][front]) for n in a["grads"])  # every rank: one average
 

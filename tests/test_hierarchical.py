@@ -86,7 +86,7 @@ def body_two_by_two(transports: list[str]) -> dict:
                                                 bucket_bytes=4 * 32 * 48)
         topo = tg.hierarchy.topology
         out[transport] = {"steps": [step(opt, k) for k in range(STEPS)], "grid": topo.grid,
-                          "engine": (tg.pipeline.rank, tg.pipeline.size)}
+                          "pipeline": (tg.pipeline.rank, tg.pipeline.size)}
         try:
             step(opt, STEPS, nan=hvd.rank() == 3)
             out[transport]["nan"] = "no error"
@@ -138,7 +138,7 @@ def test_two_nodes_of_two_ranks_code_the_node_averages_between_nodes():
     assert [(r["cross_rank"], r["local_rank"]) for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for t in transports:
         assert res[0][t]["grid"] == ((0, 1), (2, 3))
-        assert [r[t]["engine"] for r in res] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # coded between 2 nodes
+        assert [r[t]["pipeline"] for r in res] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # coded between 2 nodes
         for k in range(STEPS):
             got = [r[t]["steps"][k] for r in res]
             for name in got[0]:  # every rank ends with the same bits
@@ -171,7 +171,7 @@ def body_one_node() -> dict:
     for name, p in model.named_parameters():
         p.grad = _grads(hvd.rank(), 0)["a." + name].clone()
     opt.synchronize()
-    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "engine_size": tg.pipeline.size}
+    out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "pipeline_size": tg.pipeline.size}
     for name, p in model.named_parameters():  # a NaN on rank 1 only: an error on both
         p.grad = _grads(hvd.rank(), 1)["a." + name].clone()
         if hvd.rank() == 1 and name == "weight":
@@ -201,7 +201,7 @@ def test_one_node_averages_in_float_and_the_stock_optimizer_is_refused():
 
     res = run_ranks("tests.test_hierarchical:body_one_node", np=2, timeout=120)
     for r in res:  # all ranks on one node: the node's float average is the whole exchange
-        assert r["engine_size"] == 1
+        assert r["pipeline_size"] == 1
         for name in ("weight", "bias"):
             assert torch.equal(r["grads"][name], (_grads(0, 0)["a." + name] + _grads(1, 0)["a." + name]) / 2)
         assert "hierarchical=True needs hvd_terngrad.DistributedOptimizer" in r["stock"]

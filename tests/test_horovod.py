@@ -61,7 +61,7 @@ def body_exact(front, steps, options):
                 assert torch.equal(p.grad, avg), n
                 checks["float_is_average"] += 1
                 continue
-            key_step = tg.pipeline.step - 1  # the engine has moved on to the next step
+            key_step = tg.pipeline.step - 1  # the pipeline has moved on to the next step
             if cfg.block_size:  # one scaler a block, each element on its block's scaler
                 k = cfg.block_size
                 s_local = cfg.block_scalers(codec.moments(g), reference.block_absmax(g, k))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -94,8 +95,6 @@ def bounded_wait(done: Callable[[], bool], timeout_s: float, message: Callable[[
 
 def timed(stats: StatsRecorder | None, phase: str = "comm"):
     """stats.timed(phase), or nothing without stats."""
-    from contextlib import nullcontext
-
     return stats.timed(phase) if stats is not None else nullcontext()
 
 

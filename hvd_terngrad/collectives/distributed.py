@@ -53,13 +53,13 @@ class TorchCollectives:
 
     def wait(self, handle, what: str) -> torch.Tensor:
         with timed(self.stats):
-            bounded_wait(handle.work.is_completed, self.timeout_s, lambda: self._timeout_message(what))
+            bounded_wait(handle.work.is_completed, self.timeout_s, lambda: self.timeout_message(what))
             handle.work.wait()
         if handle.divide:
             handle.out.div_(handle.divide)
         return handle.out
 
-    def _timeout_message(self, what: str) -> str:
+    def timeout_message(self, what: str) -> str:
         ranks = "the default process group" if self.group is None else f"process group of ranks " \
             f"{dist.get_process_group_ranks(self.group)}"
         return (f"hvd_terngrad: rank {dist.get_rank()} waited {self.timeout_s:g} s for {what} over {ranks}, and "

@@ -85,7 +85,7 @@ class HorovodCollectives:
         if isinstance(handle, _Int8Sum):
             return self._int8_sum_(handle.values, what)
         with timed(self.stats):
-            bounded_wait(lambda: hvd.poll(handle), self.timeout_s, lambda: self._timeout_message(what))
+            bounded_wait(lambda: hvd.poll(handle), self.timeout_s, lambda: self.timeout_message(what))
             return hvd.synchronize(handle)
 
     def _int8_sum_(self, values: torch.Tensor, what: str) -> torch.Tensor:
@@ -110,7 +110,7 @@ class HorovodCollectives:
             worker.start()
             worker.join(self.timeout_s)
         if worker.is_alive():
-            print(self._timeout_message(what) + " Aborting the job (an MPI call cannot be cancelled); "
+            print(self.timeout_message(what) + " Aborting the job (an MPI call cannot be cancelled); "
                   "transport='summed' avoids mpi4py.", file=sys.stderr, flush=True)
             MPI.COMM_WORLD.Abort(3)
         if err:
@@ -129,7 +129,8 @@ class HorovodCollectives:
             self._comm = MPI.COMM_WORLD.Dup()
         return self._comm
 
-    def _timeout_message(self, what: str) -> str:
+    def timeout_message(self, what: str) -> str:
+        """Why a wait for `what` ran out, with the likely causes."""
         where = describe_process_set(self.process_set)
         return (f"hvd_terngrad: rank {hvd.rank()} waited {self.timeout_s:g} s for {what} over {where}, and some "
                 f"rank of it never joined. Do all ranks and the optimizer use the same process set and the same "
