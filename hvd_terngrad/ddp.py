@@ -96,6 +96,9 @@ class TernGradState:
                 job.fut.set_result(self._finish(job))
             except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
                 job.fut.set_exception(exc)
+            # hold nothing while waiting for the next bucket: a finished job's collectives keep their process
+            # group alive, and one destroyed at interpreter exit, after the group was, aborts the process
+            del job
 
     def _finish(self, job: "_Job") -> torch.Tensor:
         pipe, comm = self.pipeline, self.pipeline.comm

@@ -1,5 +1,6 @@
 """TernGrad as a DDP communication hook (hvd_terngrad.ddp): the same averages as hvd_terngrad's Horovod optimizer,
 on real ranks, for the transports whose average does not depend on how tensors are grouped."""
+import gc
 import os
 
 import pytest
@@ -50,6 +51,8 @@ def body_ddp(cases, port):
                 o.step()
         out[name] = (G.digest(model.parameters()), G.digest(ref.parameters()), state.pipeline.step,
                      state.stats.last.tensors_coded)
+    del ddp, state
+    gc.collect()  # the DDP models, before their process group goes
     dist.destroy_process_group()
     return out
 
@@ -83,3 +86,52 @@ def test_the_ddp_job_runs_where_horovod_is_not_installed(tmp_path):
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "terngrad: parameters agree across 2 workers" in res.stdout and "| terngrad | 2 |" in res.stdout
+
+
+def _ddp_run(steps, rank, state_in=None, overflow_at=None, **options):
+    """DDP with the hook on tests.golden's model: (parameters, the TernGrad state, GradScaler scales)."""
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, **options)
+    ddp.register_comm_hook(state, terngrad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    if state_in is not None:
+        model.load_state_dict(state_in["model"])
+        opt.load_state_dict(state_in["optimizer"])
+        state.load_state_dict(state_in["terngrad"])
+    scaler, scales = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), []
+    for step in steps:
+        opt.zero_grad()
+        loss = G.loss(ddp, rank, step)
+        if step == overflow_at and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "terngrad": state.state_dict()}
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), saved, scales
+
+
+def body_ddp_loops(port):
+    import torch.distributed as dist
+
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    straight, _, _ = _ddp_run(range(6), rank, error_feedback=True)
+    _, saved, _ = _ddp_run(range(3), rank, error_feedback=True)
+    resumed, _, _ = _ddp_run(range(3, 6), rank, state_in=saved, error_feedback=True)
+    params, _, scales = _ddp_run(range(4), rank, overflow_at=2, on_nonfinite="propagate")
+    gc.collect()  # the DDP models, before their process group goes (else an abort at exit, hook or not)
+    dist.destroy_process_group()
+    return torch.equal(straight, resumed), scales, params
+
+
+def test_the_ddp_hook_resumes_bit_for_bit_and_lets_amp_see_an_overflow():
+    res = run_ranks("tests.test_ddp:body_ddp_loops", np=2, timeout=120, args=(29631,))
+    for resumed_equal, scales, params in res:
+        assert resumed_equal  # model, optimizer and TernGrad state saved after 3 steps: 6 steps bit for bit
+        assert scales[2] == scales[1] / 2 and scales == res[0][1]  # the overflow on rank 1: both skip, scale down
+        assert torch.equal(params, res[0][2]) and torch.isfinite(params).all()
