@@ -66,7 +66,8 @@ class Report:
         for rank, stream, text in zip(parts[1::3], parts[2::3], parts[3::3]):
             who = f"rank{rank}"
             if text or len(parts) == 4:  # an empty piece after a mid-line tag is no line of its own
-                self.log(who, text if stream == "stdout" else f"[stderr] {text}")
+                plain = text[len(PROGRESS):] if text.startswith(PROGRESS) else text  # the marker is the terminal's
+                self.log(who, plain if stream == "stdout" else f"[stderr] {text}")
             if stream == "stderr":
                 if text.startswith("Traceback"):
                     self.in_traceback.add(who)

@@ -28,5 +28,5 @@ def test_report_shows_rank_0_untagged_and_keeps_every_rank_in_its_log(tmp_path):
     assert "UserWarning" not in res.stdout and "<stdout>" not in res.stdout
     rank1 = (tmp_path / "rank1.log").read_text()
     assert "[stderr] UserWarning: something only rank 1 says" in rank1 and "[stderr] ValueError: bad" in rank1
-    assert (tmp_path / "rank0.log").read_text().startswith("digits CNN, 2 workers\nprogress fp32 epoch 1/2\n")
+    assert (tmp_path / "rank0.log").read_text().startswith("digits CNN, 2 workers\nfp32 epoch 1/2\n")  # no marker
     assert "Primary job" in (tmp_path / "launcher.log").read_text()
