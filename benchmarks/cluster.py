@@ -246,6 +246,8 @@ class EmulatedCluster:
         return cmd + argv
 
     def run(self, argv: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+        # torch.distributed's rendezvous (DDP methods) at node 0, its traffic over the shaped links
+        env = {"MASTER_ADDR": self.ip(0), "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
         full_env = dict(os.environ)
         full_env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import timeit
@@ -22,13 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.models import MODELS, build, synthetic_batch
-from hvd_terngrad.methods import Method, build_optimizer, parse_method
+from hvd_terngrad.methods import Method, build_ddp, build_optimizer, parse_method
 
 
 def bytes_per_step(model, method: Method, tg) -> float:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if method.compression == "local":
         return 0.0
+    if method.compression == "powersgd":  # rank 1: P and Q of each matrix (rows + columns), vectors as they are
+        return sum(4 * (p.shape[0] + p.numel() // p.shape[0]) if p.dim() > 1 else p.numel() * p.element_size()
+                   for p in model.parameters())
     if method.compression == "fp32":
         return dense
     if method.compression == "fp16":
@@ -52,13 +56,17 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
     """Timed training steps: `iters` timings of `per_iter` steps each after `warmup` steps. between(), if
     given, runs after each timing, outside it (every rank calls it)."""
     model = build(model_name)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt, tg = build_optimizer(method, model, torch.optim.SGD(model.parameters(), lr=0.01))
+    if method.ddp:  # DDP broadcasts rank 0's parameters itself
+        net, opt, tg = build_ddp(method, model, 0.01)
+    else:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt, tg = build_optimizer(method, model, torch.optim.SGD(model.parameters(), lr=0.01))
+        net = model
     data, target = synthetic_batch(batch_size)
 
     def step():
         opt.zero_grad()
-        F.cross_entropy(model(data), target).backward()
+        F.cross_entropy(net(data), target).backward()
         opt.step()
 
     timeit.timeit(step, number=warmup)
@@ -120,6 +128,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     hvd.init()
     torch.set_num_threads(args.threads)
+    if args.method.ddp:  # Horovod keeps the ranks; DDP's gradients travel over torch.distributed (gloo)
+        import torch.distributed as dist
+
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
     if hvd.rank() == 0:
         print(f"Model: {args.model}, batch size: {args.batch_size}, method: {args.method.name}, "
               f"workers: {hvd.size()}")

@@ -13,6 +13,10 @@ optimizer it builds.
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
         hier                                    hierarchical=True (float inside nodes, codes between them)
         block<k>                                block_size=k, e.g. block256 (one scaler per k elements)
+    ddp:fp32, ddp:fp16, ddp:powersgd         PyTorch DDP (torch.distributed, no Horovod in the exchange): its
+                                             default allreduce, fp16_compress_hook, powerSGD_hook (rank 1, the
+                                             hook's warm-up of 1000 iterations cut to 2)
+    ddp:terngrad[:<modifier>...]             DDP with hvd_terngrad.ddp.terngrad_hook (no stock, no hier)
 
 `parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
 default transport left out. No Horovod is imported until an optimizer is built.
@@ -25,6 +29,7 @@ from hvd_terngrad.codec import check_block_size
 from hvd_terngrad.config import TRANSPORTS
 
 COMPRESSIONS = ("local", "fp32", "fp16", "terngrad")
+DDP_COMPRESSIONS = ("fp32", "fp16", "powersgd", "terngrad")
 OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True),
            "hier": ("hierarchical", True)}
 
@@ -36,16 +41,21 @@ class Method:
     stock: bool = False  # TernGrad through the stock hvd.DistributedOptimizer
     options: tuple[str, ...] = ()  # keys of OPTIONS, in their order
     block_size: int | None = None
+    ddp: bool = False  # the exchange of PyTorch DDP (torch.distributed), not Horovod's
 
     @property
     def name(self) -> str:
+        prefix = "ddp:" if self.ddp else ""
         if self.compression != "terngrad":
-            return self.compression
+            return prefix + self.compression
         mods = ([self.transport] if self.transport != "allgather" else []) + (["stock"] if self.stock else [])
-        return ":".join(["terngrad", *mods, *self.options, *([f"block{self.block_size}"] if self.block_size else [])])
+        return prefix + ":".join(["terngrad", *mods, *self.options,
+                                  *([f"block{self.block_size}"] if self.block_size else [])])
 
     @property
     def optimizer(self) -> str:
+        if self.ddp:
+            return "ddp"
         if self.compression == "local":
             return "none"
         return "stock" if self.stock or self.compression != "terngrad" else "hvd_terngrad"
@@ -57,6 +67,8 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """A Method from its name; ValueError naming what is allowed otherwise."""
+    if text.strip().startswith("ddp:"):
+        return _parse_ddp(text.strip()[4:], text)
     base, *mods = text.strip().split(":")
     if base not in COMPRESSIONS:
         raise ValueError(f"unknown method {text!r}: it starts with one of {', '.join(COMPRESSIONS)}")
@@ -75,6 +87,42 @@ def parse_method(text: str) -> Method:
         check_block_size(block_size)
     return Method("terngrad", transports[0] if transports else "allgather", "stock" in mods,
                   tuple(o for o in OPTIONS if o in mods), block_size)
+
+
+def _parse_ddp(rest: str, text: str) -> Method:
+    base = rest.split(":")[0]
+    if base not in DDP_COMPRESSIONS:
+        raise ValueError(f"method {text!r}: ddp: takes one of {', '.join(DDP_COMPRESSIONS)}")
+    if base != "terngrad":
+        if rest != base:
+            raise ValueError(f"method {text!r}: only ddp:terngrad takes modifiers")
+        return Method(base, ddp=True)
+    m = parse_method(rest)
+    if m.stock or "hier" in m.options:
+        raise ValueError(f"method {text!r}: 'stock' and 'hier' are Horovod's; DDP takes neither")
+    return Method("terngrad", m.transport, False, m.options, m.block_size, ddp=True)
+
+
+def build_ddp(method: Method, model, base_lr: float, seed: int = 0):
+    """(DDP module, SGD optimizer over it, the TernGrad hook's state or None) for a ddp: method; torch.distributed
+    must be initialized."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    module = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if method.compression == "fp16":
+        module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.compression == "powersgd":
+        psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                           random_seed=seed)
+        module.register_comm_hook(psgd, powerSGD_hook.powerSGD_hook)
+    elif method.compression == "terngrad":
+        from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+        state = TernGradState(model.named_parameters(), seed=seed, **method.terngrad_options())
+        module.register_comm_hook(state, terngrad_hook)
+    return module, torch.optim.SGD(module.parameters(), lr=base_lr), state
 
 
 def build_optimizer(method: Method, model, base, seed: int = 0):

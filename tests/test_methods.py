@@ -16,6 +16,8 @@ from hvd_terngrad.transports import TRANSPORTS, choose_transport
      {"clip": 0.0, "error_feedback": True, "transport": "allgather"}),
     ("terngrad:block256:sharded:noclip", "terngrad:sharded:noclip:block256", False,
      {"clip": 0.0, "transport": "sharded", "block_size": 256}),
+    ("ddp:terngrad:ef:sharded-ternary", "ddp:terngrad:sharded-ternary:ef", False,
+     {"error_feedback": True, "transport": "sharded-ternary"}),
 ])
 def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options):
     m = parse_method(text)
@@ -25,7 +27,8 @@ def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options
         TernGradConfig(**m.terngrad_options())  # every spelled option is a valid configuration
 
 
-@pytest.mark.parametrize("text", ["fp8", "fp32:summed", "local:sharded", "terngrad:bogus",
+@pytest.mark.parametrize("text", ["fp8", "fp32:summed", "local:sharded", "terngrad:bogus", "ddp:local", "ddp:fp32:ef",
+                                  "ddp:terngrad:stock", "ddp:terngrad:hier",
                                   "terngrad:summed:summed-int8", "terngrad:ef:ef", "terngrad:block100",
                                   "terngrad:block64:block128"])
 def test_bad_method_names_say_what_is_allowed(text):
@@ -37,6 +40,8 @@ def test_the_method_optimizer_follows_the_stock_modifier():
     assert Method("terngrad").optimizer == "hvd_terngrad"
     assert parse_method("local").optimizer == "none" and parse_method("local").name == "local"
     assert parse_method("terngrad:stock").optimizer == "stock" and parse_method("fp16").optimizer == "stock"
+    assert all(parse_method(m).optimizer == "ddp" and parse_method(m).name == m
+               for m in ("ddp:fp32", "ddp:fp16", "ddp:powersgd", "ddp:terngrad", "ddp:terngrad:sharded"))
 
 
 def test_every_transport_states_its_cost_and_auto_picks_the_cheapest_allowed():
