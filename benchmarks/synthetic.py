@@ -162,6 +162,14 @@ def main(argv=None):
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
+    if args.method.ddp:  # every rank done, then the DDP models before their process group (an abort at exit else)
+        import gc
+
+        import torch.distributed as dist
+
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
