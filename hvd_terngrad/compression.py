@@ -225,8 +225,6 @@ class TernGrad(Compressor):
                 if self._pending:  # the step's first decompress(): every rank has compressed every tensor
                     self._send_all(pipe)
                 (avg,) = pipe.finish(g)
-            if self.config.on_nonfinite == "propagate" and pipe.nonfinite(g):
-                avg.fill_(float("nan"))  # as a float average would be: AMP's GradScaler finds it on every rank
             pipe.coder.raise_nonfinite(g.items if self.config.on_nonfinite == "raise" else [])
             it = g.items[0]
             return avg.view(it.shape).to(it.dtype)

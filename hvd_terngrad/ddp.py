@@ -114,18 +114,9 @@ class TernGradState:
         if job.group is not None:
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
             pipe.progress(job.group, block=True)  # the second collective of a sharded transport
-            grads = [v for _, v in job.coded]
-            direct = [g.view(-1) if g.dtype == torch.float32 else None for g in grads]
-            outs = pipe.finish(job.group, outs=direct)
-            for g, out in zip(grads, outs):
-                if out.data_ptr() != g.data_ptr():
-                    g.copy_(out.view(g.shape))
-            bad = pipe.nonfinite(job.group)
-            if bad and self.config.on_nonfinite == "propagate":
-                for it in bad:
-                    dict(job.coded)[it.name].fill_(float("nan"))
-            elif bad:
-                pipe.coder.raise_nonfinite(bad)
+            pipe.finish_into(job.group, [v for _, v in job.coded])  # propagate: non-finite ones are NaN
+            if self.config.on_nonfinite != "propagate":
+                pipe.coder.raise_nonfinite(pipe.nonfinite(job.group))
         if floats is not None:
             avg, off = comm.wait(floats, f"the float average of DDP bucket {job.index}"), 0
             for _, v in job.floats:

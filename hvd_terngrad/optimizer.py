@@ -136,7 +136,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         in_opt = {id(p) for p in all_params}
         self._named = [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad]
         self._name_of = {p: n for n, p in self._named}
-        self._param_of = {n: p for n, p in self._named}
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for _, p in self._named}
         self._bucket_bytes = bucket_bytes
@@ -173,7 +172,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                if p.requires_grad and p not in self._name_of]
         self._named += new
         for n, p in new:
-            self._name_of[p], self._param_of[n], self._delay[p] = n, p, self.backward_passes_per_step
+            self._name_of[p], self._delay[p] = n, self.backward_passes_per_step
         self._plan()
         if self._world.size > 1:
             self._register_hooks([p for _, p in new])
@@ -298,35 +297,26 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._delay[p] = self.backward_passes_per_step
             self._synchronized = True
         try:
-            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank,
-                                          lambda name: self._grad(self._param_of[name]))
+            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank)
         finally:
             self._pipe.next_step()
 
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
-        grads = [self._grad(p) for p in b.coded]
-        # decode straight into fp32 gradients; other dtypes are converted below
-        direct = [g.view(-1) if g.dtype == torch.float32 and g.is_contiguous() else None for g in grads]
-        outs = self._pipe.finish(b.group, outs=direct)
-        for g, out in zip(grads, outs):
-            if out.data_ptr() != g.data_ptr():
-                g.copy_(out.view(g.shape))
+        self._pipe.finish_into(b.group, [self._grad(p) for p in b.coded])
         return self._pipe.nonfinite(b.group)
 
 
-def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int, grad_of) -> bool:
+def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int) -> bool:
     """A step's verdict on non-finite averages (the same on every rank): whether to skip it (on_nonfinite=
-    "skip"); with "propagate" the coded ones become NaN (grad_of: a name's gradient), as a float average would
-    be, for AMP's GradScaler to find; else NonFiniteGradientError naming the tensor."""
+    "skip"); with "propagate" the averages are already NaN, for AMP's GradScaler to find; else
+    NonFiniteGradientError naming the tensor."""
     if not (bad or float_bad):
         return False
     if cfg.on_nonfinite == "skip":
         pipe.stats.current.skipped = True
         return True
-    if cfg.on_nonfinite == "propagate":
-        for it in bad:
-            grad_of(it.name).fill_(float("nan"))
+    if cfg.on_nonfinite == "propagate":  # the pipeline made those averages NaN
         return False
     pipe.coder.raise_nonfinite(bad)
     raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at "

@@ -176,7 +176,22 @@ class Pipeline:
             self.send(g)
         received = g.transport.finish(self.comm, g.handle, g.what)
         g.stage = Stage.DONE
-        return g.transport.decode(self.coder, g.items, received, outs=outs) if decode else None
+        if not decode:
+            return None
+        averages = g.transport.decode(self.coder, g.items, received, outs=outs)
+        if self.config.on_nonfinite == "propagate":  # NaN, as a float average would be: AMP's GradScaler sees it
+            for it, avg in zip(g.items, averages):
+                if it.nonfinite_rank >= 0:
+                    avg.fill_(float("nan"))
+        return averages
+
+    def finish_into(self, g: Group, grads: list[torch.Tensor]) -> None:
+        """finish(g), the averages written into `grads` (g's tensors, in order) in place: decoded straight into
+        the contiguous fp32 ones, converted into the others."""
+        direct = [t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None for t in grads]
+        for t, avg in zip(grads, self.finish(g, outs=direct)):
+            if avg.data_ptr() != t.data_ptr():
+                t.copy_(avg.view(t.shape))
 
     def nonfinite(self, g: Group) -> list[Item]:
         """g's tensors that were non-finite on some rank (known on every rank once shared or decoded)."""
