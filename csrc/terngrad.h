@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 3
+#define TG_ABI_VERSION 4
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -59,6 +59,18 @@ int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* s
 // for every rank), nblocks = ceil(n / block).
 int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
                          int64_t block, float* out, int nthreads);
+
+// Error feedback fused into the coding (docs/wire-format.md, section 13). x = g + r (r may be NULL: x = g), the
+// sum rounded to the element type as torch rounds a sum of two tensors of that type, is never stored whole.
+// Codes as tg_ternarize_pack_blocks of x (block = 0: one scaler, scalers[0]). With r_out (required with r), also
+// the residual r_out = x - fl_T(s_i * b_i), b_i the code's value and s_i its scaler (r_out may alias r).
+int tg_ternarize_pack_feedback(int dtype, const void* g, const void* r, int64_t n, const float* scalers, int64_t block,
+                               uint64_t seed, uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out,
+                               void* r_out, int nthreads);
+
+// tg_stats (block = 0) or tg_stats_blocks of x = g + r, r as in tg_ternarize_pack_feedback.
+int tg_stats_feedback(int dtype, const void* g, const void* r, int64_t n, int64_t block, int nthreads, double out[4],
+                      double* block_max);
 
 // Per block of `block` elements, max|x| with NaN ignored, exact in double: out[ceil(n / block)].
 int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads);

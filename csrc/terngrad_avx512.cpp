@@ -104,14 +104,16 @@ TG_AVX512 inline double scalar_at(int dtype, const void* x, int64_t i) {  // rea
   }
 }
 
-TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0) {
+TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0, const float* r) {
   const double big = dtype == TG_F64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
   const __m512d vx0 = _mm512_set1_pd(x0), vbig = _mm512_set1_pd(big);
   const __m512d absmask = _mm512_castsi512_pd(_mm512_set1_epi64(0x7fffffffffffffffLL));
   __m512d s = _mm512_setzero_pd(), q = _mm512_setzero_pd(), m = _mm512_setzero_pd();
   int64_t bad = 0, k = 0;
   for (; k + 8 <= n; k += 8) {
-    const __m512d v = load8d(dtype, x, k);
+    const __m512d v = r ? _mm512_cvtps_pd(_mm256_add_ps(_mm256_loadu_ps(static_cast<const float*>(x) + k),
+                                                       _mm256_loadu_ps(r + k)))
+                        : load8d(dtype, x, k);
     const __m512d a = _mm512_and_pd(v, absmask);
     const __m512d d = _mm512_sub_pd(v, vx0);
     s = _mm512_add_pd(s, d);
@@ -124,7 +126,7 @@ TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, do
   _mm512_store_pd(lq, q);
   _mm512_store_pd(lm, m);
   for (int l = 0; k < n; ++k, ++l) {  // the tail continues the lanes from 0, like the scalar path
-    const double v = scalar_at(dtype, x, k);
+    const double v = r ? (double)(static_cast<const float*>(x)[k] + r[k]) : scalar_at(dtype, x, k);
     const double a = v < 0 ? -v : v, d = v - x0;
     ls[l] += d;
     lq[l] += d * d;
@@ -142,7 +144,7 @@ TG_AVX512 StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, do
 }
 
 TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, const float* scalers, int64_t block,
-                                const Key& key, uint8_t* out) {
+                                const Key& key, uint8_t* out, const Feedback* fb) {
   __m512i K0[10], K1[10];
   for (int r = 0; r < 10; ++r) {
     K0[r] = _mm512_set1_epi64(key.k0 + (uint32_t)r * TG_PHILOX_W0);
@@ -151,7 +153,8 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
   const __m512i one = _mm512_set1_epi32(1);
   const int shift = __builtin_ctzll((uint64_t)block);  // block: a power of two (a 64-bit division is slow)
   for (int64_t i = b; i < e; i += 64) {
-    const __m512 vs17 = _mm512_set1_ps(scalers[i >> shift] * 0x1p-17f);  // 64 elements lie in one block
+    const float s = scalers[i >> shift];  // 64 elements lie in one block
+    const __m512 vs17 = _mm512_set1_ps(s * 0x1p-17f), vs = _mm512_set1_ps(s);
     __m256i w[4];
     philox8((uint64_t)i / 8, key, K0, K1, w);
     // Transpose: the four words of block l (elements 8l .. 8l+7) into one 128-bit lane.
@@ -166,9 +169,15 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
     for (int v = 0; v < 4; ++v) {
       const __m512i h = _mm512_cvtepu16_epi32(pair[v]);  // 16 halves, element order
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_slli_epi32(h, 1), one)), vs17);
-      const __m512 xv = load16(dtype, x, i + 16 * v);
+      const int64_t k = i - b + 16 * v;
+      __m512 xv = load16(dtype, x, k);
+      if (fb && fb->r_in) xv = _mm512_add_ps(xv, _mm512_loadu_ps(fb->r_in + k));
       const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_abs_ps(xv), _CMP_LT_OQ);
       const __mmask16 sign = _mm512_movepi32_mask(_mm512_castps_si512(xv));
+      if (fb) {  // r = x - s*b: b = 0 subtracts +0, as the decoded codes times s do
+        const __m512 sent = _mm512_maskz_mov_ps(keep, _mm512_mask_sub_ps(vs, sign, _mm512_setzero_ps(), vs));
+        _mm512_storeu_ps(fb->r_out + k, _mm512_sub_ps(xv, sent));
+      }
       pos |= (uint64_t)(uint16_t)(keep & ~sign) << (16 * v);
       neg |= (uint64_t)(uint16_t)(keep & sign) << (16 * v);
     }
@@ -179,18 +188,24 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
   }
 }
 
-TG_AVX512 void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out) {
+TG_AVX512 void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out,
+                                    const float* r) {
   for (int64_t b0 = lo; b0 < hi; b0 += block) {
     const int64_t e = b0 + block < n ? b0 + block : n;
     __m512 m = _mm512_setzero_ps();
     int64_t i = b0;
-    for (; i + 16 <= e; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);  // NaN: keeps m
-    float r = _mm512_reduce_max_ps(m);
-    for (; i < e; ++i) {
-      const float a = x[i] < 0 ? -x[i] : x[i];
-      r = a > r ? a : r;
+    for (; i + 16 <= e; i += 16) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      if (r) v = _mm512_add_ps(v, _mm512_loadu_ps(r + i));
+      m = _mm512_max_ps(_mm512_abs_ps(v), m);  // NaN: keeps m
     }
-    out[b0 / block] = r;
+    float mx = _mm512_reduce_max_ps(m);
+    for (; i < e; ++i) {
+      const float v = r ? x[i] + r[i] : x[i];
+      const float a = v < 0 ? -v : v;
+      mx = a > mx ? a : mx;
+    }
+    out[b0 / block] = mx;
   }
 }
 
@@ -274,10 +289,11 @@ TG_AVX512 void decode_avx512(int nranks, const uint8_t* const* codes, const floa
 
 namespace tg {
 bool avx512_usable() { return false; }
-StatPartial stats_block_avx512(int, const void*, int64_t, double) { return StatPartial(); }
-void ternarize_avx512(int, const void*, int64_t, int64_t, const float*, int64_t, const Key&, uint8_t*) {}
+StatPartial stats_block_avx512(int, const void*, int64_t, double, const float*) { return StatPartial(); }
+void ternarize_avx512(int, const void*, int64_t, int64_t, const float*, int64_t, const Key&, uint8_t*,
+                      const Feedback*) {}
 void decode_avx512(int, const uint8_t* const*, const float*, int, float, int64_t, int64_t, float*, uint32_t&) {}
-void block_max_f32_avx512(const float*, int64_t, int64_t, int64_t, int64_t, double*) {}
+void block_max_f32_avx512(const float*, int64_t, int64_t, int64_t, int64_t, double*, const float*) {}
 void sum_shards_avx512(int, const uint8_t* const*, int64_t, int64_t, int, uint8_t*, uint32_t&) {}
 }  // namespace tg
 

@@ -78,6 +78,73 @@ template <> struct Elem<TG_F64> { using T = double; static float f(const T* p, i
 template <> struct Elem<TG_F16> { using T = uint16_t; static float f(const T* p, int64_t i) { return half_to_float(p[i]); } static double d(const T* p, int64_t i) { return half_to_float(p[i]); } };
 template <> struct Elem<TG_BF16> { using T = uint16_t; static float f(const T* p, int64_t i) { return bf16_to_float(p[i]); } static double d(const T* p, int64_t i) { return bf16_to_float(p[i]); } };
 
+// fp32 -> fp16 and bf16, rounding to nearest even as torch does (c10's fp16_ieee_from_fp32_value and
+// round_to_nearest_even), so that sums and differences in those types round as the torch reference's do.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN, Inf
+  if (x >= 0x477ff000u) return sign | 0x7c00u;                                 // rounds past 65504: Inf
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; adding 0.5 lets the fp32 adder round it
+    float a;
+    std::memcpy(&a, &x, 4);
+    a += 0.5f;
+    uint32_t ab;
+    std::memcpy(&ab, &a, 4);
+    return sign | (uint16_t)(ab - 0x3f000000u);
+  }
+  const uint32_t odd = (x >> 13) & 1u;
+  return sign | (uint16_t)((x + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13);
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if (std::isnan(f)) return 0x7fc0u;
+  return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// Error feedback's element arithmetic in the gradient's type, rounded once as a torch op on tensors of that
+// type rounds: x = g + r, and r' = x - fl_T(sent) with sent = s * b in fp32 (0, s or -s).
+template <int DT> struct Arith;
+template <> struct Arith<TG_F32> {
+  static float add(float a, float b) { return a + b; }
+  static float sub(float x, float sent) { return x - sent; }
+};
+template <> struct Arith<TG_F64> {
+  static double add(double a, double b) { return a + b; }
+  static double sub(double x, float sent) { return x - (double)sent; }
+};
+template <> struct Arith<TG_F16> {
+  static uint16_t add(uint16_t a, uint16_t b) { return float_to_half(half_to_float(a) + half_to_float(b)); }
+  static uint16_t sub(uint16_t x, float sent) {
+    return float_to_half(half_to_float(x) - half_to_float(float_to_half(sent)));
+  }
+};
+template <> struct Arith<TG_BF16> {
+  static uint16_t add(uint16_t a, uint16_t b) { return float_to_bf16(bf16_to_float(a) + bf16_to_float(b)); }
+  static uint16_t sub(uint16_t x, float sent) {
+    return float_to_bf16(bf16_to_float(x) - bf16_to_float(float_to_bf16(sent)));
+  }
+};
+
+// buf[k] = g[k] + r[k] for k < len, in the element type: the coded tensor of error feedback, one cache-sized
+// chunk at a time, so that g + r never exists whole in memory.
+template <int DT>
+void add_chunk(const typename Elem<DT>::T* g, const typename Elem<DT>::T* r, int64_t len,
+               typename Elem<DT>::T* buf) {
+  for (int64_t k = 0; k < len; ++k) buf[k] = Arith<DT>::add(g[k], r[k]);
+}
+
+// A per-thread scratch of at least n elements of T, kept between calls.
+template <class T>
+T* thread_scratch(int64_t n) {
+  static thread_local std::vector<T> buf;
+  if ((int64_t)buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 // ------------------------------------------------------------------------------------------------
 // Statistics. Fixed blocks of kStatBlock elements; inside a block element k goes to lane k % 8.
 constexpr int64_t kStatBlock = 65536;
@@ -192,27 +259,48 @@ void block_absmax_impl(const void* xv, int64_t n, int64_t block, double* out, in
 
 // With block_max: also max|x| per block of `block` elements (a power of two), from the same pass: blocks up to
 // kStatBlock are read again while their chunk is in cache, larger ones take their chunks' maxima.
+// With r: the statistics of x + r (error feedback), each chunk summed into a per-thread scratch first.
 template <int DT>
-void stats_impl(const void* xv, int64_t n, int nthreads, double out[4], int64_t block = 0,
+void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double out[4], int64_t block = 0,
                 double* block_max = nullptr) {
-  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+  using T = typename Elem<DT>::T;
+  const auto* x = static_cast<const T*>(xv);
+  const auto* r = static_cast<const T*>(rv);
   out[0] = out[1] = out[2] = out[3] = 0;
   if (n <= 0) return;
-  const double x0 = Elem<DT>::d(x, 0);
+  const T first = r ? Arith<DT>::add(x[0], r[0]) : x[0];
+  const double x0 = Elem<DT>::d(&first, 0);
   const int64_t nblocks = (n + kStatBlock - 1) / kStatBlock;
   std::vector<Partial> parts(nblocks);
   const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
+    T* sum = r ? thread_scratch<T>(kStatBlock) : nullptr;
     for (int64_t i = b; i < e; ++i) {
       const int64_t off = i * kStatBlock, len = std::min(kStatBlock, n - off);
+      const T* xs = x + off;
 #if TG_X86
-      parts[i] = avx512 ? tg::stats_block_avx512(DT, x + off, len, x0)
-                 : avx2 ? stats_block_avx2<DT>(x + off, len, x0)
-                        : stats_block<DT>(x + off, len, x0);
-#else
-      parts[i] = stats_block<DT>(x + off, len, x0);
+      if constexpr (DT == TG_F32) {
+        if (r && avx512) {  // fused: x + r in registers
+          parts[i] = tg::stats_block_avx512(DT, xs, len, x0, r + off);
+          if (block_max && block <= kStatBlock)
+            tg::block_max_f32_avx512(xs, 0, len, len, block, block_max + off / block, r + off);
+          continue;
+        }
+      }
 #endif
-      if (block_max && block <= kStatBlock) block_max_range<DT>(x, off, off + len, n, block, block_max);
+      if (r) {
+        add_chunk<DT>(x + off, r + off, len, sum);
+        xs = sum;
+      }
+#if TG_X86
+      parts[i] = avx512 ? tg::stats_block_avx512(DT, xs, len, x0)
+                 : avx2 ? stats_block_avx2<DT>(xs, len, x0)
+                        : stats_block<DT>(xs, len, x0);
+#else
+      parts[i] = stats_block<DT>(xs, len, x0);
+#endif
+      // block divides kStatBlock, so the chunk's blocks are whole blocks of the tensor
+      if (block_max && block <= kStatBlock) block_max_range<DT>(xs, 0, len, len, block, block_max + off / block);
     }
   });
   if (block_max && block > kStatBlock) {
@@ -249,8 +337,8 @@ inline uint8_t code_of(float x, float scaler_2m17, uint32_t half) {
   return std::signbit(x) ? 2 : 1;
 }
 
-// Scalar path for elements [b, e), b a multiple of 8; element i with scalers[i / block] (block a power of two
-// >= 8). Writes bytes b/4 .. ceil(e/4).
+// Scalar path for elements [b, e), b a multiple of 8, element i read at x[i - b], with scalers[i / block] (block
+// a power of two >= 8). Writes bytes b/4 .. ceil(e/4).
 // Philox block j covers elements 8j .. 8j+7; element i uses 16-bit half i % 2 of word (i % 8) / 2.
 template <int DT>
 void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, const float* scalers, int64_t block,
@@ -269,7 +357,7 @@ void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, const
         const int k = 4 * half_byte + w;  // 0..7 inside the block
         const int64_t i = 8 * j + k;
         const uint32_t half = (r[k / 2] >> (16 * (k % 2))) & 0xffffu;
-        if (i < e) byte |= (uint8_t)(code_of(Elem<DT>::f(x, i), scaler * 0x1p-17f, half) << (2 * w));
+        if (i < e) byte |= (uint8_t)(code_of(Elem<DT>::f(x, i - b), scaler * 0x1p-17f, half) << (2 * w));
       }
       out[2 * j + half_byte] = byte;
     }
@@ -312,7 +400,8 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m25
   hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
 }
 
-// Elements [b, e) with b and e multiples of 64: eight Philox blocks (one per lane) per iteration.
+// Elements [b, e) with b and e multiples of 64, element i read at x[i - b]: eight Philox blocks (one per lane) per
+// iteration.
 template <int DT>
 __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem<DT>::T* x, int64_t b, int64_t e,
                                                              const float* scalers, int64_t block, const Key& key,
@@ -356,7 +445,7 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
     for (int v = 0; v < 8; ++v) {
       const __m256i h = _mm256_cvtepu16_epi32(blk[v]);  // 16-bit halves, low half first
       const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(h, h), one)), vs17);
-      const __m256 xv = load8<DT>(x + i + 8 * v);
+      const __m256 xv = load8<DT>(x + (i - b) + 8 * v);
       const uint64_t keep =
           (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ));
       const uint64_t sign = (uint32_t)_mm256_movemask_ps(xv);
@@ -371,28 +460,77 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
 }
 #endif
 
+// Elements [b, e) read at x[i - b]: the SIMD path in use for whole runs of 64, the scalar path for the rest.
+template <int DT>
+void ternarize_range(const typename Elem<DT>::T* x, int64_t b, int64_t e, const float* scalers, int64_t block,
+                     const Key& key, uint8_t* out) {
+  int64_t mid = b;
+#if TG_X86
+  if (has_avx512()) {
+    mid = b + (e - b) / 64 * 64;
+    tg::ternarize_avx512(DT, x, b, mid, scalers, block, key, out);
+  } else if (has_avx2()) {
+    mid = b + (e - b) / 64 * 64;
+    ternarize_avx2<DT>(x, b, mid, scalers, block, key, out);
+  }
+#endif
+  if (mid < e) ternarize_scalar<DT>(x + (mid - b), mid, e, scalers, block, key, out);
+}
+
+// Error feedback for elements [b, e) of g (r: the residual or null, r_out: where the new one goes; all read and
+// written at [i - b]): x = g + r a chunk at a time in a per-thread scratch, its codes, then r_out = x - s*b
+// from the chunk while it is in cache. Any type and SIMD level; the fp32 AVX-512 kernel fuses the same steps.
+template <int DT>
+void ternarize_feedback(const typename Elem<DT>::T* g, const typename Elem<DT>::T* r, int64_t b, int64_t e,
+                        const float* scalers, int64_t block, const Key& key, uint8_t* out,
+                        typename Elem<DT>::T* r_out, int64_t chunk) {
+  using T = typename Elem<DT>::T;
+  const int shift = __builtin_ctzll((uint64_t)block);
+  T* x = thread_scratch<T>(chunk);
+  for (int64_t c = b; c < e; c += chunk) {
+    const int64_t len = std::min(chunk, e - c);
+    if (r) {
+      add_chunk<DT>(g + (c - b), r + (c - b), len, x);
+    } else {
+      std::memcpy(x, g + (c - b), sizeof(T) * len);
+    }
+    ternarize_range<DT>(x, c, c + len, scalers, block, key, out);
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = c + k;
+      const unsigned code = (out[i / 4] >> (2 * (i % 4))) & 3u;
+      const float s = scalers[i >> shift];
+      r_out[i - b] = Arith<DT>::sub(x[k], code == 1 ? s : code == 2 ? -s : 0.0f);
+    }
+  }
+}
+
 // Elements [0, n), element i with scalers[i / block] (block: a power of two >= 64; kOneBlock for one scaler), in
 // work items of kChunk elements; only the tensor's last elements (past a multiple of 64) take the scalar path.
+// With r_out: error feedback (x = g + r coded, r_out the new residual; r may be null, r_out may alias it).
 template <int DT>
-void ternarize_impl(const void* xv, int64_t n, const float* scalers, int64_t block, const Key& key, uint8_t* out,
-                    int nthreads) {
-  const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
+void ternarize_impl(const void* xv, const void* rv, int64_t n, const float* scalers, int64_t block, const Key& key,
+                    uint8_t* out, void* rov, int nthreads) {
+  using T = typename Elem<DT>::T;
+  const auto* x = static_cast<const T*>(xv);
+  const auto* r = static_cast<const T*>(rv);
+  auto* r_out = static_cast<T*>(rov);
   constexpr int64_t kChunk = 16384;  // elements per work item, a multiple of 64
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
-  const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
     const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
+    if (!r_out) return ternarize_range<DT>(x + b, b, e, scalers, block, key, out);
     int64_t mid = b;
 #if TG_X86
-    if (avx512) {
-      mid = b + (e - b) / 64 * 64;
-      tg::ternarize_avx512(DT, x, b, mid, scalers, block, key, out);
-    } else if (avx2) {
-      mid = b + (e - b) / 64 * 64;
-      ternarize_avx2<DT>(x, b, mid, scalers, block, key, out);
+    if constexpr (DT == TG_F32) {
+      if (has_avx512()) {  // fused in registers: one read of g and r, one write of r_out
+        mid = b + (e - b) / 64 * 64;
+        const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
+        tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
+      }
     }
 #endif
-    if (mid < e) ternarize_scalar<DT>(x, mid, e, scalers, block, key, out);
+    if (mid < e) ternarize_feedback<DT>(x + mid, r ? r + mid : nullptr, mid, e, scalers, block, key, out,
+                                        r_out + mid, 4096);
   });
 }
 
@@ -438,16 +576,17 @@ constexpr int64_t kOneBlock = int64_t(1) << 50;
 
 bool block_ok(int64_t block) { return block >= 64 && block <= (int64_t(1) << 30) && (block & (block - 1)) == 0; }
 
-int ternarize_entry(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
-                    uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
+int ternarize_entry(int dtype, const void* x, const void* r, int64_t n, const float* scalers, int64_t block,
+                    uint64_t seed, uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, void* r_out,
+                    int nthreads) {
   if (n < 0 || (n > 0 && (!x || !out)) || rank > 0xffffu || (n >> 50) != 0) return TG_EINVAL;
   if (n == 0) return TG_OK;
   const Key key{(uint32_t)seed, (uint32_t)(seed >> 32), rank << 16, tensor_id, step};
   switch (dtype) {
-    case TG_F32: ternarize_impl<TG_F32>(x, n, scalers, block, key, out, nthreads); return TG_OK;
-    case TG_F64: ternarize_impl<TG_F64>(x, n, scalers, block, key, out, nthreads); return TG_OK;
-    case TG_F16: ternarize_impl<TG_F16>(x, n, scalers, block, key, out, nthreads); return TG_OK;
-    case TG_BF16: ternarize_impl<TG_BF16>(x, n, scalers, block, key, out, nthreads); return TG_OK;
+    case TG_F32: ternarize_impl<TG_F32>(x, r, n, scalers, block, key, out, r_out, nthreads); return TG_OK;
+    case TG_F64: ternarize_impl<TG_F64>(x, r, n, scalers, block, key, out, r_out, nthreads); return TG_OK;
+    case TG_F16: ternarize_impl<TG_F16>(x, r, n, scalers, block, key, out, r_out, nthreads); return TG_OK;
+    case TG_BF16: ternarize_impl<TG_BF16>(x, r, n, scalers, block, key, out, r_out, nthreads); return TG_OK;
     default: return TG_EDTYPE;
   }
 }
@@ -508,25 +647,40 @@ void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out
 }
 
 int tg_stats(int dtype, const void* x, int64_t n, int nthreads, double out[4]) {
-  if (n < 0 || (n > 0 && !x) || !out) return TG_EINVAL;
+  return tg_stats_feedback(dtype, x, nullptr, n, 0, nthreads, out, nullptr);
+}
+
+int tg_stats_feedback(int dtype, const void* x, const void* r, int64_t n, int64_t block, int nthreads, double out[4],
+                      double* block_max) {
+  if (n < 0 || (n > 0 && !x) || !out || (block && (!block_ok(block) || (n > 0 && !block_max)))) return TG_EINVAL;
   switch (dtype) {
-    case TG_F32: stats_impl<TG_F32>(x, n, nthreads, out); return TG_OK;
-    case TG_F64: stats_impl<TG_F64>(x, n, nthreads, out); return TG_OK;
-    case TG_F16: stats_impl<TG_F16>(x, n, nthreads, out); return TG_OK;
-    case TG_BF16: stats_impl<TG_BF16>(x, n, nthreads, out); return TG_OK;
+    case TG_F32: stats_impl<TG_F32>(x, r, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_F64: stats_impl<TG_F64>(x, r, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_F16: stats_impl<TG_F16>(x, r, n, nthreads, out, block, block_max); return TG_OK;
+    case TG_BF16: stats_impl<TG_BF16>(x, r, n, nthreads, out, block, block_max); return TG_OK;
     default: return TG_EDTYPE;
   }
 }
 
 int tg_ternarize_pack(int dtype, const void* x, int64_t n, float scaler, uint64_t seed, uint32_t step,
                       uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
-  return ternarize_entry(dtype, x, n, &scaler, kOneBlock, seed, step, rank, tensor_id, out, nthreads);
+  return ternarize_entry(dtype, x, nullptr, n, &scaler, kOneBlock, seed, step, rank, tensor_id, out, nullptr,
+                         nthreads);
 }
 
 int tg_ternarize_pack_blocks(int dtype, const void* x, int64_t n, const float* scalers, int64_t block, uint64_t seed,
                              uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out, int nthreads) {
-  if (!block_ok(block) || (n > 0 && !scalers)) return TG_EINVAL;
-  return ternarize_entry(dtype, x, n, scalers, block, seed, step, rank, tensor_id, out, nthreads);
+  return tg_ternarize_pack_feedback(dtype, x, nullptr, n, scalers, block, seed, step, rank, tensor_id, out, nullptr,
+                                    nthreads);
+}
+
+int tg_ternarize_pack_feedback(int dtype, const void* x, const void* r, int64_t n, const float* scalers, int64_t block,
+                               uint64_t seed, uint32_t step, uint32_t rank, uint32_t tensor_id, uint8_t* out,
+                               void* r_out, int nthreads) {
+  if (block == 0) block = kOneBlock;
+  else if (!block_ok(block)) return TG_EINVAL;
+  if (n > 0 && (!scalers || (r && !r_out))) return TG_EINVAL;
+  return ternarize_entry(dtype, x, r, n, scalers, block, seed, step, rank, tensor_id, out, r_out, nthreads);
 }
 
 int tg_decode_sum(int nranks, const uint8_t* const* codes, const float* scalers, int shared, int64_t n,
@@ -542,14 +696,8 @@ int tg_decode_sum_blocks(int nranks, const uint8_t* const* codes, const float* s
 
 int tg_stats_blocks(int dtype, const void* x, int64_t n, int64_t block, int nthreads, double out[4],
                     double* block_max) {
-  if (n < 0 || (n > 0 && (!x || !block_max)) || !out || !block_ok(block)) return TG_EINVAL;
-  switch (dtype) {
-    case TG_F32: stats_impl<TG_F32>(x, n, nthreads, out, block, block_max); return TG_OK;
-    case TG_F64: stats_impl<TG_F64>(x, n, nthreads, out, block, block_max); return TG_OK;
-    case TG_F16: stats_impl<TG_F16>(x, n, nthreads, out, block, block_max); return TG_OK;
-    case TG_BF16: stats_impl<TG_BF16>(x, n, nthreads, out, block, block_max); return TG_OK;
-    default: return TG_EDTYPE;
-  }
+  if (!block) return TG_EINVAL;
+  return tg_stats_feedback(dtype, x, nullptr, n, block, nthreads, out, block_max);
 }
 
 int tg_block_absmax(int dtype, const void* x, int64_t n, int64_t block, double* out, int nthreads) {

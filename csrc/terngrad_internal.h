@@ -32,13 +32,21 @@ struct CodeLut {
 // AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
 bool avx512_usable();
 
-// Elements [b, e) of x, b and e multiples of 64, element i with scalers[i / block] (block a power of two >= 64);
-// writes bytes b/4 .. e/4 of out.
+// Error feedback fused into the fp32 ternarizer: it codes x + r_in (r_in may be null: x alone) and writes the
+// residual r_out = (x + r_in) - s * b (r_out may alias r_in). Pointers as x: at the range's first element.
+struct Feedback {
+  const float* r_in;
+  float* r_out;
+};
+
+// Elements [b, e), b and e multiples of 64, element i with scalers[i / block] (block a power of two >= 64), read at
+// x[i - b]; writes bytes b/4 .. e/4 of out. fb (fp32 only) fuses error feedback.
 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, const float* scalers, int64_t block,
-                      const Key& key, uint8_t* out);
+                      const Key& key, uint8_t* out, const Feedback* fb = nullptr);
 
 // Statistics of elements [0, n) of the block starting at x (any n), shifted by x0.
-StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0);
+// With r (fp32 only): of x + r, each sum rounded to fp32.
+StatPartial stats_block_avx512(int dtype, const void* x, int64_t n, double x0, const float* r = nullptr);
 
 // Decode elements [start, start + len), start and len multiples of 64, into out; nranks <= 127 when shared.
 // ORs 1 into bad when a code is 0b11.
@@ -47,7 +55,9 @@ void decode_avx512(int nranks, const uint8_t* const* codes, const float* weights
 
 // max|x| (NaN ignored) of each block of `block` fp32 elements starting in [lo, hi) (lo a multiple of block) into
 // out[lo / block ..].
-void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out);
+// With r: of x + r.
+void block_max_f32_avx512(const float* x, int64_t lo, int64_t hi, int64_t n, int64_t block, double* out,
+                          const float* r = nullptr);
 
 // An owner's sums (tg_sum_shards) of code bytes [b0, b0 + nbytes), nbytes a multiple of 16, for nranks <= 127
 // (bits 4 or 8), written at their place in out; ORs 1 into bad when a code is 0b11.

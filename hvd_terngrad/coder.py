@@ -25,7 +25,8 @@ class Item:
     name: str
     shape: torch.Size
     dtype: torch.dtype
-    flat: torch.Tensor  # contiguous, 1-D, gradient (+ residual)
+    flat: torch.Tensor  # contiguous, 1-D, the gradient
+    residual: torch.Tensor | None  # error feedback: what is coded is flat + residual (summed by the kernels)
     tag: int
     tid: int
     scaler: float  # local scaler, then the shared one once shared
@@ -73,14 +74,14 @@ class Coder:
         cfg = self.config
         with self.stats.timed("encode"):
             flat = grad.detach().reshape(-1)
-            flat = self.feedback.add(name, flat) if cfg.error_feedback else \
-                (flat if flat.is_contiguous() else flat.contiguous())
+            flat = flat if flat.is_contiguous() else flat.contiguous()
+            residual = self.feedback.residual(name, flat) if cfg.error_feedback else None
             scalers = None
             if cfg.block_size:
-                st, absmax = self.codec.moments_blocks(flat, cfg.block_size)
+                st, absmax = self.codec.moments_blocks(flat, cfg.block_size, residual=residual)
                 scalers = torch.zeros(absmax.numel()) if st.nonfinite else cfg.block_scalers(st, absmax.cpu())
             else:
-                st = self.codec.moments(flat)
+                st = self.codec.moments(flat, residual=residual)
             bad = st.nonfinite > 0
         if bad:
             scaler = 0.0
@@ -88,45 +89,36 @@ class Coder:
             scaler = cfg.scaler(st)
         else:  # the tensor's entry in the scaler vector: its largest block scaler
             scaler = float(scalers.max()) if scalers.numel() else 0.0
-        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat,
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=residual,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
                     scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
 
     def codes(self, it: Item, out: torch.Tensor | None = None) -> torch.Tensor:
-        """it's packed codes (into out), with its scaler or block scalers."""
+        """it's packed codes (into out), with its scaler or block scalers. With error feedback the kernels code
+        flat + residual and write what the coding lost back into the residual, in place."""
+        ef = {}
+        if self.config.error_feedback:
+            ef = {"residual": it.residual, "residual_out": self.feedback.worker_out(it.name, it.flat)}
         if it.scalers is not None:
-            return self.codec.ternarize_pack_blocks(it.flat, it.scalers, self.config.block_size, self.key(it), out=out)
-        return self.codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=out)
+            return self.codec.ternarize_pack_blocks(it.flat, it.scalers, self.config.block_size, self.key(it),
+                                                    out=out, **ef)
+        return self.codec.ternarize_pack(it.flat, it.scaler, self.key(it), out=out, **ef)
 
     def code_into(self, it: Item, codes: torch.Tensor) -> None:
-        """Write it's packed codes into `codes` (all zero for a non-finite tensor); keep the residual."""
+        """Write it's packed codes into `codes` (all zero for a non-finite tensor, whose residual stays)."""
         self.scalers_used[it.name] = it.scaler
         if it.nonfinite_rank >= 0:
             codes.zero_()
             return
         self.codes(it, out=codes)
-        if self.config.error_feedback:
-            self.keep_residual(it, self.codec.decode_mean([codes], [1.0], True, it.numel))
 
     def code_values(self, it: Item) -> torch.Tensor | None:
-        """it's codes as fp32 values in {-1, 0, 1} (a scratch buffer), None for a non-finite tensor; keeps the
-        residual."""
+        """it's codes as fp32 values in {-1, 0, 1} (a scratch buffer), None for a non-finite tensor."""
         self.scalers_used[it.name] = it.scaler
         if it.nonfinite_rank >= 0:
             return None
-        b = self.codec.decode_mean([self.codes(it)], [1.0], True, it.numel,
-                                   out=self.scratch(it.numel, it.flat.device))
-        if self.config.error_feedback:
-            self.keep_residual(it, b)
-        return b
-
-    def keep_residual(self, it: Item, b: torch.Tensor) -> None:
-        """Error feedback: what this rank's coding of `it` lost, flat - s * b (b: the code values, fp32)."""
-        if it.scalers is not None:
-            sent = codec.scale_blocks_(b.clone(), it.scalers, self.config.block_size)
-        else:
-            sent = b * torch.tensor(it.scaler, dtype=torch.float32, device=b.device)
-        self.feedback.keep(it.name, it.flat, sent)
+        return self.codec.decode_mean([self.codes(it)], [1.0], True, it.numel,
+                                      out=self.scratch(it.numel, it.flat.device))
 
     def scratch(self, n: int, device: torch.device, use: str = "values") -> torch.Tensor:
         """A reused fp32 buffer per use: the values encoder's ±1 codes, or a shard owner's averages, would

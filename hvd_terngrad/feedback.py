@@ -2,8 +2,8 @@
 
 TernGrad's codes are unbiased, but their variance grows with a tensor's scaler. Keeping the coding error
 r = (g + r) - s*b and adding it to the next step's gradient (Seide et al., Interspeech 2014; Karimireddy et
-al., ICML 2019) lets that error reach the model later instead of never. The price is one fp32 copy of every
-coded gradient. Two kinds are kept:
+al., ICML 2019) lets that error reach the model later instead of never. The price is one copy of every
+coded gradient, updated in place by the codec's fused kernels (hvd_terngrad.codec). Two kinds are kept:
 - worker residuals, one per coded tensor of this rank (error_feedback=True);
 - owner residuals, one per bucket whose shard this rank owns under transport="sharded-ternary"
   (owner_error_feedback=True): the error of the owner's second draw.
@@ -21,25 +21,32 @@ class ErrorFeedback:
         self.worker: dict[str, torch.Tensor] = {}  # tensor name -> residual, flat, in the gradient's dtype
         self.owner: dict[str, torch.Tensor] = {}  # bucket key -> residual of this rank's shard, fp32
 
-    def add(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        """flat + its residual (a new tensor), or flat itself (contiguous) when there is none."""
+    def residual(self, name: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """The residual to add to `flat` (coded as flat + residual by the fused kernels), or None."""
         kept = self.worker.get(name)
-        if kept is not None and kept.numel() == flat.numel():
-            return flat + kept
-        return flat if flat.is_contiguous() else flat.contiguous()
+        return kept if kept is not None and kept.numel() == flat.numel() and kept.dtype == flat.dtype \
+            and kept.device == flat.device else None
 
-    def keep(self, name: str, flat: torch.Tensor, sent: torch.Tensor) -> None:
-        """The residual of a coding of `flat` (gradient plus residual) that sent `sent` (fp32, s*b)."""
-        self.worker[name] = flat - sent.to(flat.dtype)
+    def worker_out(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """Where the kernels write the residual of `flat`'s coding: the residual itself, updated in place, or a new
+        buffer the first time (kept from then on: no allocation per step)."""
+        kept = self.residual(name, flat)
+        if kept is None:
+            kept = self.worker[name] = torch.empty_like(flat, memory_format=torch.contiguous_format)
+        return kept
+
+    def owner_out(self, key: str, avg: torch.Tensor) -> torch.Tensor:
+        """worker_out for an owner's shard."""
+        kept = self.owner.get(key)
+        if kept is None or kept.numel() != avg.numel():
+            kept = self.owner[key] = torch.empty_like(avg)
+        return kept
 
     def add_owner(self, key: str, avg: torch.Tensor) -> None:
         """An owner's average of its shard plus that shard's residual, in place (same layout only)."""
         kept = self.owner.get(key)
         if kept is not None and kept.numel() == avg.numel():
             avg += kept
-
-    def keep_owner(self, key: str, avg: torch.Tensor, sent: torch.Tensor) -> None:
-        self.owner[key] = avg - sent
 
     def state_dict(self) -> dict:
         """Copies of the residuals, for a checkpoint."""

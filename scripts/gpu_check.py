@@ -5,7 +5,8 @@
 1. the test suite's CUDA tests (tests/test_codec.py, where the cuda backend is one of the parametrized ones);
 2. the codec benchmark's device rows: encode and decode against a device-to-device copy;
 3. CPU/GPU bit identity: the golden vectors (tests/golden/codec_v1.json, codec_v2.json) through the cuda
-   backend, and random tensors of every dtype, codes and decodes against the CPU backend's;
+   backend, and random tensors of every dtype, codes, decodes and error feedback's residuals against the CPU
+   backend's;
 4. a 1-GPU training of the main job's digits CNN with the cuda backend: 2 workers simulated on the GPU through
    the library's pipeline (loopback collectives), beside FP32.
 
@@ -74,6 +75,15 @@ def identity(device: str) -> dict:
             if not (torch.equal(mine.cpu(), cpu) and
                     torch.equal(dec.cpu(), codec.decode_mean([cpu, cpu], [s, s], True, n, backend="cpu"))):
                 failed.append(f"random:{dtype}:{n}")
+            # error feedback fused in (section 13): codes of x + r and the residual written over r
+            r = (torch.randn(n, generator=g) * 0.003).to(dtype)
+            r_dev, r_cpu = r.to(device), r.clone()
+            mine = codec.ternarize_pack(x.to(device), s, key, residual=r_dev, residual_out=r_dev, backend=backend)
+            cpu = codec.ternarize_pack(x, s, key, residual=r_cpu, residual_out=r_cpu, backend="cpu")
+            checked += 1
+            same_r = torch.equal(r_dev.cpu().view(torch.uint8), r_cpu.view(torch.uint8))
+            if not (torch.equal(mine.cpu(), cpu) and same_r):
+                failed.append(f"feedback:{dtype}:{n}")
     return {"ok": not failed, "checked": checked, "failed": failed}
 
 

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from hvd_terngrad import codec
 from hvd_terngrad.codec import cpu, reference
-from tests.golden.make_golden import golden_input
+from tests.golden.make_golden import feedback_case, golden_input
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "codec_v1.json").read_text())
+FEEDBACK = json.loads((Path(__file__).parent / "golden" / "feedback_v1.json").read_text())
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -113,6 +114,106 @@ def test_decode_many_ranks_beyond_int8_counters(simd):
     got = codec.decode_mean(codes, [1.0] * 200, True, n, backend="cpu")
     ref = codec.decode_mean(codes, [1.0] * 200, True, n, backend="reference")
     assert torch.equal(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Error feedback fused into the coding (wire format section 13).
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns: -0.0 and +0.0 differ, as they would on the wire of a later step."""
+    return t.contiguous().view(_BITS[t.dtype]).cpu()
+
+
+def _code_feedback(g, scalers, block, key, r, r_out, **kw):
+    if block:
+        return codec.ternarize_pack_blocks(g, scalers, block, key, residual=r, residual_out=r_out, **kw)
+    return codec.ternarize_pack(g, scalers, key, residual=r, residual_out=r_out, **kw)
+
+
+@pytest.mark.parametrize("case", FEEDBACK["cases"], ids=lambda c: c["name"])
+@pytest.mark.parametrize("backend", backends())
+def test_feedback_golden_vectors(case, backend):
+    """Codes, residual and moments of g + r: the residual written over r in place."""
+    g, r, scalers, key = feedback_case(case)
+    g, r = g.to(_dev(backend)), r.to(_dev(backend))
+    if case["block_size"]:
+        scalers = scalers.to(_dev(backend))
+    before = r.clone()
+    packed = _code_feedback(g, scalers, case["block_size"], key, r, r, backend=backend)
+    assert bytes(packed.cpu().tolist()).hex() == case["packed_hex"]
+    assert bytes(r.cpu().view(torch.uint8).tolist()).hex() == case["residual_hex"]
+    got = codec.moments(g, residual=before, backend=backend)
+    if backend == "cuda":
+        assert got.mean == pytest.approx(case["stats"][0], rel=1e-12, abs=1e-15)
+        assert got.absmax == case["stats"][2]
+    else:
+        assert list(got) == case["stats"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 1000, 16384 + 13, 300_001])
+@pytest.mark.parametrize("block", [0, 64, 4096])
+def test_feedback_matches_reference_bit_for_bit(dtype, n, block, simd):
+    """Every SIMD path and thread count writes the reference's codes and residual, with and without a residual
+    to add, the new residual over the old one."""
+    gen = torch.Generator().manual_seed(n + block)
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.02).to(dtype)
+    r = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.005).to(dtype)
+    scalers = (torch.rand(codec.num_blocks(n, block), generator=gen) * 0.04 + 0.001) if block else 0.03
+    key = codec.RngKey(2**40 + 3, 11, 5, 0xABCDEF01)
+    for r_in in (r, None):
+        ref_out = torch.empty_like(g)
+        ref = _code_feedback(g, scalers, block, key, r_in, ref_out, backend="reference")
+        for nt in (1, 3):
+            rr = r.clone()
+            got = _code_feedback(g, scalers, block, key, rr if r_in is not None else None, rr, backend="cpu",
+                                 nthreads=nt)
+            assert torch.equal(got, ref)
+            assert torch.equal(_bits(rr), _bits(ref_out))
+        if block == 0:  # codes of g + r are the codes of that sum formed first
+            x = g if r_in is None else g + r_in
+            assert torch.equal(ref, codec.ternarize_pack(x, scalers, key, backend="cpu"))
+    x = g + r
+    for nt in (1, 3):
+        assert codec.moments(g, residual=r, backend="cpu", nthreads=nt) == codec.moments(x, backend="cpu", nthreads=nt)
+        if block:
+            st, am = codec.moments_blocks(g, block, residual=r, backend="cpu", nthreads=nt)
+            st2, am2 = codec.moments_blocks(x, block, backend="cpu", nthreads=nt)
+            assert st == st2 and torch.equal(am, am2)
+    if n <= 70_000:
+        assert codec.moments(g, residual=r, backend="cpu") == codec.moments(g, residual=r, backend="reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_feedback_rounds_as_torch_across_the_whole_range(dtype, simd):
+    """fp16 and bf16 sums and differences round as torch's do: subnormals, ties, overflow to Inf included."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2**15, 2**15, (2, 200_000), generator=gen, dtype=torch.int16)
+    g, r = bits.view(dtype)
+    finite = torch.isfinite(g) & torch.isfinite(r)
+    g, r = g[finite].contiguous(), r[finite].contiguous()
+    s = float(torch.tensor(60000.0 if dtype == torch.float16 else 1e30, dtype=dtype))
+    key = codec.RngKey(1, 2, 3, 4)
+    ref_out, rr = torch.empty_like(g), r.clone()
+    ref = codec.ternarize_pack(g, s, key, residual=r, residual_out=ref_out, backend="reference")
+    got = codec.ternarize_pack(g, s, key, residual=rr, residual_out=rr, backend="cpu")
+    assert torch.equal(got, ref)
+    same = (_bits(rr) == _bits(ref_out)) | (torch.isnan(rr) & torch.isnan(ref_out))
+    assert bool(same.all()), f"{int((~same).sum())} residuals differ"
+
+
+def test_feedback_argument_errors():
+    x = torch.ones(8)
+    key = codec.RngKey(0, 0, 0, 0)
+    with pytest.raises(ValueError, match="needs residual_out"):
+        codec.ternarize_pack(x, 1.0, key, residual=torch.zeros(8))
+    with pytest.raises(ValueError, match="residual_out must be a contiguous torch.float32 tensor of 8"):
+        codec.ternarize_pack(x, 1.0, key, residual_out=torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="residual must be"):
+        codec.moments(x, residual=torch.zeros(7))
 
 
 def test_non_contiguous_input_equals_contiguous():
@@ -265,8 +366,8 @@ def test_cuda_source_compiles_with_nvrtc_as_cupy_does_without_spills():
         pytest.skip("NVRTC compiled every kernel; ptxas is not installed, so registers and spills are unread")
     kernels = {u.kernel for u in uses}
     assert {"tg_decode_sum", "tg_stats_partial_f32", "tg_ternarize_pack_bf16", "tg_sum_shards",
-            "tg_ternarize_pack_blocks_f16", "tg_block_absmax_f64"} <= kernels
-    assert len(uses) == len(kr.ARCHS) * len(kernels) == 38  # 19 kernels
+            "tg_ternarize_pack_blocks_f16", "tg_block_absmax_f64", "tg_ternarize_pack_feedback_f32"} <= kernels
+    assert len(uses) == len(kr.ARCHS) * len(kernels) == 46  # 23 kernels
     assert [u for u in uses if u.spill_stores or u.spill_loads] == []
 
 

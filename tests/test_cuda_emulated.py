@@ -40,7 +40,9 @@ def emu(tmp_path_factory):
                                ctypes.c_void_p]
     lib.emu_ternarize_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ll, ctypes.c_void_p, ll, u32, u32, u32, u32,
                                          u32, ctypes.c_void_p]
-    lib.emu_block_absmax.argtypes = [ctypes.c_int, ctypes.c_void_p, ll, ll, ctypes.c_void_p]
+    lib.emu_block_absmax.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ll, ll, ctypes.c_void_p]
+    vp = ctypes.c_void_p
+    lib.emu_ternarize_feedback.argtypes = [ctypes.c_int, vp, vp, ll, vp, vp, ll, u32, u32, u32, u32, u32, vp, vp]
     return lib
 
 
@@ -127,7 +129,7 @@ def test_gpu_block_kernels_golden_vectors(emu, case):
     x, scalers, block, key = block_case(case)
     n = x.numel()
     bits = torch.zeros(codec.num_blocks(n, block), dtype=torch.int64)
-    emu.emu_block_absmax(DT[x.dtype], x.contiguous().data_ptr(), n, block, bits.data_ptr())
+    emu.emu_block_absmax(DT[x.dtype], x.contiguous().data_ptr(), None, n, block, bits.data_ptr())
     assert torch.equal(bits.view(torch.float64), reference.block_absmax(x, block))
     codes = gpu_ternarize_blocks(emu, x, scalers, block, key)
     assert bytes(codes.tolist()).hex() == case["packed_hex"]
@@ -141,3 +143,57 @@ def test_gpu_block_kernels_golden_vectors(emu, case):
                               out.data_ptr()) == 0
         ref, ok = reference.decode_mean_blocks([codes, other], rows[0] if shared else rows, shared, n, block)
         assert ok and torch.equal(out, ref)
+
+
+FEEDBACK = json.loads((HERE / "golden" / "feedback_v1.json").read_text())
+
+
+def gpu_ternarize_feedback(lib, g, r, scalers, block, key, r_out):
+    """tg_ternarize_pack_feedback as cuda.py launches it: scalers one float (block = 0) or fp32 per block."""
+    n = g.numel()
+    sc = torch.tensor([scalers], dtype=torch.float32) if not block else scalers.float().contiguous()
+    s17 = (sc * 2.0**-17).contiguous()
+    out = torch.zeros((n + 3) // 4, dtype=torch.uint8)
+    lib.emu_ternarize_feedback(DT[g.dtype], g.data_ptr(), None if r is None else r.data_ptr(), n, s17.data_ptr(),
+                               sc.data_ptr(), block or 2**62, key.seed & 0xFFFFFFFF, key.seed >> 32, key.rank << 16,
+                               key.tensor_id, key.step, out.data_ptr(), r_out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("case", FEEDBACK["cases"], ids=lambda c: c["name"])
+def test_gpu_feedback_kernel_golden_vectors(emu, case):
+    """Error feedback fused into the GPU ternarizer (section 13): codes of g + r, the residual over r in place; and
+    the block maxima of g + r."""
+    from tests.golden.make_golden import feedback_case
+
+    g, r, scalers, key = feedback_case(case)
+    block = case["block_size"]
+    if block:
+        bits = torch.zeros(codec.num_blocks(g.numel(), block), dtype=torch.int64)
+        emu.emu_block_absmax(DT[g.dtype], g.data_ptr(), r.data_ptr(), g.numel(), block, bits.data_ptr())
+        assert torch.equal(bits.view(torch.float64), reference.block_absmax(g + r, block))
+    codes = gpu_ternarize_feedback(emu, g, r, scalers, block, key, r)
+    assert bytes(codes.tolist()).hex() == case["packed_hex"]
+    assert bytes(r.view(torch.uint8).tolist()).hex() == case["residual_hex"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_gpu_feedback_kernel_matches_reference_without_a_residual_and_at_the_edges(emu, dtype):
+    """No residual to add (the first step, an owner's shard), and fp16/bf16 sums across the whole range."""
+    gen = torch.Generator().manual_seed(3)
+    if dtype in (torch.float16, torch.bfloat16):
+        g, r = torch.randint(-2**15, 2**15, (2, 20_000), generator=gen, dtype=torch.int16).view(dtype)
+        ok = torch.isfinite(g) & torch.isfinite(r)
+        g, r, s = g[ok].contiguous(), r[ok].contiguous(), 60000.0
+    else:
+        g, r = (torch.randn(2, 1001, generator=gen, dtype=torch.float64) * 0.02).to(dtype)
+        g, r, s = g.contiguous(), r.contiguous(), 0.03
+    key = codec.RngKey(9, 8, 7, 6)
+    for r_in in (None, r):
+        ref_out = torch.empty_like(g)
+        ref = codec.ternarize_pack(g, s, key, residual=r_in, residual_out=ref_out, backend="reference")
+        got_out = torch.empty_like(g)
+        assert torch.equal(gpu_ternarize_feedback(emu, g, r_in, s, 0, key, got_out), ref)
+        same = (got_out.view(torch.uint8) == ref_out.view(torch.uint8)) | torch.isnan(ref_out).repeat_interleave(
+            ref_out.element_size())
+        assert bool(same.all())

@@ -7,6 +7,8 @@ and their block-scaler forms (wire format version 2: one scaler per block of blo
     block_absmax(x, block_size)               -> fp64 max|x| per block
     ternarize_pack_blocks(x, scalers, block_size, key, out=None)
     decode_mean_blocks(codes, scalers, shared, n, block_size)
+Error feedback is fused into the coding (docs/wire-format.md, section 13): moments(x, residual=r) and
+ternarize_pack(..., residual=r, residual_out=r) code x + r without forming it and write the new residual in place.
 
 (The C and CUDA symbols keep their ABI names: tg_stats computes the moments, tg_decode_sum the mean.)
 
@@ -62,11 +64,12 @@ class Backend(Protocol):
 
     name: str
 
-    def moments(self, x) -> tuple[float, float, float, int]: ...
-    def moments_blocks(self, x, block: int) -> tuple[tuple[float, float, float, int], torch.Tensor]: ...
+    # r: a residual to add to x (error feedback) or None; r_out: where the new residual goes (may be r) or None.
+    def moments(self, x, r=None) -> tuple[float, float, float, int]: ...
+    def moments_blocks(self, x, block: int, r=None) -> tuple[tuple[float, float, float, int], torch.Tensor]: ...
     def block_absmax(self, x, block: int) -> torch.Tensor: ...  # fp64, one per block, on x's device
-    def ternarize_pack(self, x, scaler: float, key: RngKey, out) -> None: ...
-    def ternarize_pack_blocks(self, x, scalers, block: int, key: RngKey, out) -> None: ...
+    def ternarize_pack(self, x, scaler: float, key: RngKey, out, r=None, r_out=None) -> None: ...
+    def ternarize_pack_blocks(self, x, scalers, block: int, key: RngKey, out, r=None, r_out=None) -> None: ...
     def decode_mean(self, codes, scalers: list[float], shared: bool, n: int, out) -> bool: ...
     def decode_mean_blocks(self, codes, scalers, shared: bool, n: int, block: int, out) -> bool: ...
     def sum_shards(self, shards, nranks: int, out) -> bool: ...
@@ -134,6 +137,16 @@ def _check_scalers(scalers: torch.Tensor, shape: tuple) -> torch.Tensor:
     return scalers.contiguous()
 
 
+def _residual(x: torch.Tensor, r: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    """A residual for flat x: same type, size and device, contiguous (viewed flat), or None."""
+    if r is None:
+        return None
+    if r.dtype != x.dtype or r.numel() != x.numel() or r.device != x.device or not r.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous {x.dtype} tensor of {x.numel()} elements on {x.device}, "
+                         f"got {r.dtype} of {r.numel()} on {r.device}")
+    return r.view(-1)
+
+
 def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> torch.Tensor:
     """Checks every rank's packed codes of n elements; the fp32 destination (`out`, checked, or a new one)."""
     nbytes = codes_size(n)
@@ -145,6 +158,12 @@ def _decode_out(codes: list[torch.Tensor], n: int, out: torch.Tensor | None) -> 
     if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements")
     return out
+
+
+def _feedback(x: torch.Tensor, r: torch.Tensor | None, r_out: torch.Tensor | None):
+    if r is not None and r_out is None:
+        raise ValueError("a residual to add needs residual_out, where the new residual goes (it may be the same)")
+    return _residual(x, r, "residual"), _residual(x, r_out, "residual_out")
 
 
 def _valid(ok: bool, what: str = "payload holds invalid ternary codes (0b11 or non-zero padding)") -> None:
@@ -171,15 +190,17 @@ class Codec:
             be = self._impls[name] = _BACKENDS[name](self.nthreads)
         return be
 
-    def moments(self, x: torch.Tensor) -> Moments:
+    def moments(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Moments:
+        """Moments of x, or of x + residual (error feedback; the sum is never formed whole)."""
         x = _flat(x)
-        return Moments(*self.impl(x).moments(x))
+        return Moments(*self.impl(x).moments(x, _residual(x, residual, "residual")))
 
-    def moments_blocks(self, x: torch.Tensor, block_size: int) -> tuple[Moments, torch.Tensor]:
+    def moments_blocks(self, x: torch.Tensor, block_size: int,
+                       residual: torch.Tensor | None = None) -> tuple[Moments, torch.Tensor]:
         """moments(x) and block_absmax(x, block_size) together: one pass over x on the CPU backend."""
         check_block_size(block_size)
         x = _flat(x)
-        st, absmax = self.impl(x).moments_blocks(x, block_size)
+        st, absmax = self.impl(x).moments_blocks(x, block_size, _residual(x, residual, "residual"))
         return Moments(*st), absmax
 
     def block_absmax(self, x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -188,24 +209,30 @@ class Codec:
         x = _flat(x)
         return self.impl(x).block_absmax(x, block_size)
 
-    def ternarize_pack(self, x: torch.Tensor, scaler: float, key: RngKey,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given."""
+    def ternarize_pack(self, x: torch.Tensor, scaler: float, key: RngKey, out: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None,
+                       residual_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stochastic ternary codes of x on the scale `scaler`, packed four to a byte, into `out` if given.
+
+        Error feedback: codes of x + residual, and residual_out (may be residual) = x + residual - scaler * b."""
         x = _flat(x)
         out = _codes_out(x, out)
         if not (scaler >= 0.0) or scaler == float("inf"):
             raise ValueError(f"scaler must be finite and >= 0, got {scaler}")
-        self.impl(x).ternarize_pack(x, scaler, key, out)
+        r, r_out = _feedback(x, residual, residual_out)
+        self.impl(x).ternarize_pack(x, scaler, key, out, r, r_out)
         return out
 
     def ternarize_pack_blocks(self, x: torch.Tensor, scalers: torch.Tensor, block_size: int, key: RngKey,
-                              out: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                              residual_out: torch.Tensor | None = None) -> torch.Tensor:
         """ternarize_pack with scalers[i // block_size] for element i (scalers: fp32, one per block)."""
         check_block_size(block_size)
         x = _flat(x)
         scalers = _check_scalers(scalers, (num_blocks(x.numel(), block_size),))
         out = _codes_out(x, out)
-        self.impl(x).ternarize_pack_blocks(x, scalers, block_size, key, out)
+        r, r_out = _feedback(x, residual, residual_out)
+        self.impl(x).ternarize_pack_blocks(x, scalers, block_size, key, out, r, r_out)
         return out
 
     def decode_mean(self, codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int,

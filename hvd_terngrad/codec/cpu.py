@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _lib = None
 _error: str | None = None
@@ -62,6 +62,12 @@ def _load():
     lib.tg_stats_blocks.restype = ctypes.c_int
     lib.tg_block_absmax.argtypes = [ctypes.c_int, vp, i64, i64, vp, ctypes.c_int]
     lib.tg_block_absmax.restype = ctypes.c_int
+    lib.tg_ternarize_pack_feedback.argtypes = [ctypes.c_int, vp, vp, i64, vp, i64, u64, u32, u32, u32, vp, vp,
+                                               ctypes.c_int]
+    lib.tg_ternarize_pack_feedback.restype = ctypes.c_int
+    lib.tg_stats_feedback.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
+                                      vp]
+    lib.tg_stats_feedback.restype = ctypes.c_int
     lib.tg_sum_shards.argtypes = [ctypes.c_int, ctypes.POINTER(vp), i64, vp, ctypes.c_int]
     lib.tg_sum_shards.restype = ctypes.c_int
     lib.tg_decode_packed_sums.argtypes = [vp, ctypes.c_int, i64, i64, ctypes.c_float, vp, ctypes.c_int]
@@ -114,19 +120,33 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"hvd_terngrad C++ kernel {what} rejected its arguments (code {rc})")
 
 
-def moments(x: torch.Tensor, nthreads: int | None = None) -> tuple[float, float, float, int]:
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def moments(x: torch.Tensor, nthreads: int | None = None,
+            r: torch.Tensor | None = None) -> tuple[float, float, float, int]:
+    """Moments of x, or of x + r (error feedback) without forming the sum."""
     lib = _lib_or_raise()
     out = (ctypes.c_double * 4)()
-    _check(lib.tg_stats(_DTYPES[x.dtype], x.data_ptr(), x.numel(), nthreads or default_threads(), out), "moments")
+    _check(lib.tg_stats_feedback(_DTYPES[x.dtype], x.data_ptr(), _ptr(r), x.numel(), 0, nthreads or default_threads(),
+                                 out, None), "moments")
     return out[0], out[1], out[2], int(out[3])
 
 
 def ternarize_pack(x: torch.Tensor, scaler: float, seed: int, step: int, rank: int, tensor_id: int,
-                   out: torch.Tensor, nthreads: int | None = None) -> None:
+                   out: torch.Tensor, nthreads: int | None = None, r: torch.Tensor | None = None,
+                   r_out: torch.Tensor | None = None) -> None:
+    """Codes of x (or of x + r); with r_out, the residual x (+ r) - s*b too (r_out may be r)."""
+    s = ctypes.c_float(scaler)
+    _ternarize(x, ctypes.addressof(s), 0, (seed, step, rank, tensor_id), out, nthreads, r, r_out, "ternarize_pack")
+
+
+def _ternarize(x, scalers_ptr, block, key, out, nthreads, r, r_out, what):
     lib = _lib_or_raise()
-    rc = lib.tg_ternarize_pack(_DTYPES[x.dtype], x.data_ptr(), x.numel(), scaler, seed, step, rank, tensor_id,
-                               out.data_ptr(), nthreads or default_threads())
-    _check(rc, "ternarize_pack")
+    rc = lib.tg_ternarize_pack_feedback(_DTYPES[x.dtype], x.data_ptr(), _ptr(r), x.numel(), scalers_ptr, block, *key,
+                                        out.data_ptr(), _ptr(r_out), nthreads or default_threads())
+    _check(rc, what)
 
 
 def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n: int, out: torch.Tensor,
@@ -142,12 +162,11 @@ def decode_mean(codes: list[torch.Tensor], scalers: list[float], shared: bool, n
 
 
 def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, seed: int, step: int, rank: int,
-                          tensor_id: int, out: torch.Tensor, nthreads: int | None = None) -> None:
-    """scalers: contiguous fp32 CPU tensor, one per block of `block` elements."""
-    lib = _lib_or_raise()
-    rc = lib.tg_ternarize_pack_blocks(_DTYPES[x.dtype], x.data_ptr(), x.numel(), scalers.data_ptr(), block, seed,
-                                      step, rank, tensor_id, out.data_ptr(), nthreads or default_threads())
-    _check(rc, "ternarize_pack (block scalers)")
+                          tensor_id: int, out: torch.Tensor, nthreads: int | None = None,
+                          r: torch.Tensor | None = None, r_out: torch.Tensor | None = None) -> None:
+    """scalers: contiguous fp32 CPU tensor, one per block of `block` elements. r, r_out: as ternarize_pack."""
+    _ternarize(x, scalers.data_ptr(), block, (seed, step, rank, tensor_id), out, nthreads, r, r_out,
+               "ternarize_pack (block scalers)")
 
 
 def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared: bool, n: int, block: int,
@@ -162,13 +181,13 @@ def decode_mean_blocks(codes: list[torch.Tensor], scalers: torch.Tensor, shared:
     return rc == 0
 
 
-def moments_blocks(x: torch.Tensor, block: int, absmax: torch.Tensor,
-                   nthreads: int | None = None) -> tuple[float, float, float, int]:
-    """moments() and block_absmax() into `absmax` (fp64) from one pass over x."""
+def moments_blocks(x: torch.Tensor, block: int, absmax: torch.Tensor, nthreads: int | None = None,
+                   r: torch.Tensor | None = None) -> tuple[float, float, float, int]:
+    """moments() and block_absmax() into `absmax` (fp64) from one pass over x (or x + r)."""
     lib = _lib_or_raise()
     out = (ctypes.c_double * 4)()
-    _check(lib.tg_stats_blocks(_DTYPES[x.dtype], x.data_ptr(), x.numel(), block, nthreads or default_threads(), out,
-                               absmax.data_ptr()), "moments (block scalers)")
+    _check(lib.tg_stats_feedback(_DTYPES[x.dtype], x.data_ptr(), _ptr(r), x.numel(), block,
+                                 nthreads or default_threads(), out, absmax.data_ptr()), "moments (block scalers)")
     return out[0], out[1], out[2], int(out[3])
 
 
@@ -213,24 +232,24 @@ class CpuBackend:
     def __init__(self, nthreads: int | None = None):
         self.nthreads = nthreads
 
-    def moments(self, x):
-        return moments(x, self.nthreads)
+    def moments(self, x, r=None):
+        return moments(x, self.nthreads, r)
 
-    def moments_blocks(self, x, block):
+    def moments_blocks(self, x, block, r=None):
         absmax = torch.empty((x.numel() + block - 1) // block, dtype=torch.float64)
-        return moments_blocks(x, block, absmax, self.nthreads), absmax
+        return moments_blocks(x, block, absmax, self.nthreads, r), absmax
 
     def block_absmax(self, x, block):
         out = torch.empty((x.numel() + block - 1) // block, dtype=torch.float64)
         block_absmax(x, block, out, self.nthreads)
         return out
 
-    def ternarize_pack(self, x, scaler, key, out):
-        ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id, out, self.nthreads)
+    def ternarize_pack(self, x, scaler, key, out, r=None, r_out=None):
+        ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id, out, self.nthreads, r, r_out)
 
-    def ternarize_pack_blocks(self, x, scalers, block, key, out):
+    def ternarize_pack_blocks(self, x, scalers, block, key, out, r=None, r_out=None):
         ternarize_pack_blocks(x, scalers.cpu(), block, key.seed, key.step, key.rank, key.tensor_id, out,
-                              self.nthreads)
+                              self.nthreads, r, r_out)
 
     def decode_mean(self, codes, scalers, shared, n, out):
         return decode_mean(codes, scalers, shared, n, out, self.nthreads)

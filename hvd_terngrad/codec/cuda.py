@@ -65,7 +65,13 @@ class _OnTorchStream:
         self.dev.__exit__(*exc)
 
 
-def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
+def _or_null(t: torch.Tensor | None):
+    """A kernel's pointer argument: t's memory, or a null pointer (8 bytes by value)."""
+    return np.uint64(0) if t is None else _wrap(t)
+
+
+def moments(x: torch.Tensor, r: torch.Tensor | None = None) -> tuple[float, float, float, int]:
+    """Moments of x, or of x + r (error feedback)."""
     n = x.numel()
     if n == 0:
         return 0.0, 0.0, 0.0, 0
@@ -76,9 +82,10 @@ def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
         ps, pq, pm = (cp.empty(blocks, dtype=cp.float64) for _ in range(3))
         pb = cp.empty(blocks, dtype=cp.uint64)
         k = _kernels().get_function(f"tg_stats_partial_{_SUFFIX[x.dtype]}")
-        k((blocks,), (_THREADS,), (_wrap(x), np.int64(n), np.int64(chunk), np.float64(big), ps, pq, pm, pb))
+        k((blocks,), (_THREADS,), (_wrap(x), _or_null(r), np.int64(n), np.int64(chunk), np.float64(big), ps, pq, pm,
+                                   pb))
         s_, q_, m_, b_ = ps.get(), pq.get(), pm.get(), pb.get()
-    x0 = float(x[0].item())
+    x0 = float((x[0] if r is None else x[0] + r[0]).item())  # torch rounds the sum as the kernel does
     s = q = 0.0
     for i in range(blocks):  # block order: deterministic on a given device
         s += float(s_[i])
@@ -88,36 +95,58 @@ def moments(x: torch.Tensor) -> tuple[float, float, float, int]:
     return x0 + md, var ** 0.5, float(m_.max()), int(b_.sum())
 
 
-def ternarize_pack(x: torch.Tensor, scaler: float, key, out: torch.Tensor) -> None:
+def ternarize_pack(x: torch.Tensor, scaler: float, key, out: torch.Tensor, r: torch.Tensor | None = None,
+                   r_out: torch.Tensor | None = None) -> None:
+    """Codes of x (or of x + r); with r_out, the residual too (docs/wire-format.md, section 13)."""
     n = x.numel()
     if n == 0:
         return
+    if r_out is not None:
+        sc = torch.tensor([scaler], dtype=torch.float32, device=x.device)
+        return _ternarize_feedback(x, r, sc, max(n, 1), key, out, r_out)
     nblk = (n + 7) // 8
     s17 = np.float32(scaler) * np.float32(2.0**-17)
     with _OnTorchStream(x):
         k = _kernels().get_function(f"tg_ternarize_pack_{_SUFFIX[x.dtype]}")
         k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
-          (_wrap(x), np.int64(n), np.float32(s17), np.uint32(key.seed & 0xFFFFFFFF), np.uint32(key.seed >> 32),
-           np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step), _wrap(out)))
+          (_wrap(x), np.int64(n), np.float32(s17), *_key_args(key), _wrap(out)))
 
 
-def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, key, out: torch.Tensor) -> None:
-    """scalers: fp32, one per block of `block` elements (moved to x's device)."""
+def _key_args(key) -> tuple:
+    return (np.uint32(key.seed & 0xFFFFFFFF), np.uint32(key.seed >> 32), np.uint32(key.rank << 16),
+            np.uint32(key.tensor_id), np.uint32(key.step))
+
+
+def ternarize_pack_blocks(x: torch.Tensor, scalers: torch.Tensor, block: int, key, out: torch.Tensor,
+                          r: torch.Tensor | None = None, r_out: torch.Tensor | None = None) -> None:
+    """scalers: fp32, one per block of `block` elements (moved to x's device). r, r_out: as ternarize_pack."""
     n = x.numel()
     if n == 0:
         return
+    if r_out is not None:
+        return _ternarize_feedback(x, r, scalers.to(device=x.device, dtype=torch.float32), block, key, out, r_out)
     nblk = (n + 7) // 8
     sc = scalers.to(device=x.device, dtype=torch.float32) * 2.0**-17  # fl32(s * 2^-17), no flush to zero
     with _OnTorchStream(x):
         k = _kernels().get_function(f"tg_ternarize_pack_blocks_{_SUFFIX[x.dtype]}")
         k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
-          (_wrap(x), np.int64(n), _wrap(sc), np.int64(block), np.uint32(key.seed & 0xFFFFFFFF),
-           np.uint32(key.seed >> 32), np.uint32(key.rank << 16), np.uint32(key.tensor_id), np.uint32(key.step),
-           _wrap(out)))
+          (_wrap(x), np.int64(n), _wrap(sc), np.int64(block), *_key_args(key), _wrap(out)))
 
 
-def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """fp64 per block of `block` elements: max|x|, NaN ignored."""
+def _ternarize_feedback(x, r, scalers, block, key, out, r_out) -> None:
+    """The fused error-feedback kernel; scalers: fp32 on x's device, one per block (block >= n: one scaler)."""
+    n = x.numel()
+    nblk = (n + 7) // 8
+    s17 = (scalers * 2.0**-17).contiguous()
+    with _OnTorchStream(x):
+        k = _kernels().get_function(f"tg_ternarize_pack_feedback_{_SUFFIX[x.dtype]}")
+        k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
+          (_wrap(x), _or_null(r), np.int64(n), _wrap(s17), _wrap(scalers.contiguous()), np.int64(block),
+           *_key_args(key), _wrap(out), _wrap(r_out)))
+
+
+def block_absmax(x: torch.Tensor, block: int, r: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 per block of `block` elements: max|x| (or max|x + r|), NaN ignored."""
     n = x.numel()
     nb = (n + block - 1) // block
     out = torch.zeros(nb, dtype=torch.float64, device=x.device)
@@ -126,7 +155,7 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
         with _OnTorchStream(x):
             k = _kernels().get_function(f"tg_block_absmax_{_SUFFIX[x.dtype]}")
             k(((nblk + _THREADS - 1) // _THREADS,), (_THREADS,),
-              (_wrap(x), np.int64(n), np.int64(block), _wrap(out.view(torch.int64)).view(cp.uint64)))
+              (_wrap(x), _or_null(r), np.int64(n), np.int64(block), _wrap(out.view(torch.int64)).view(cp.uint64)))
     return out
 
 
@@ -183,15 +212,11 @@ class CudaBackend:
 
     moments = staticmethod(moments)
     block_absmax = staticmethod(block_absmax)
+    ternarize_pack = staticmethod(ternarize_pack)
+    ternarize_pack_blocks = staticmethod(ternarize_pack_blocks)
 
-    def moments_blocks(self, x, block):
-        return moments(x), block_absmax(x, block)
-
-    def ternarize_pack(self, x, scaler, key, out):
-        ternarize_pack(x, scaler, key, out)
-
-    def ternarize_pack_blocks(self, x, scalers, block, key, out):
-        ternarize_pack_blocks(x, scalers, block, key, out)
+    def moments_blocks(self, x, block, r=None):
+        return moments(x, r), block_absmax(x, block, r)
 
     def decode_mean(self, codes, scalers, shared, n, out):
         w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)

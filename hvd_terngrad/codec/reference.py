@@ -153,6 +153,19 @@ def decode_mean_blocks(packed: list[torch.Tensor], scalers: torch.Tensor, shared
     return (acc * w[0] if shared else acc), ok
 
 
+# ---------------------------------------------------------------------------------------------
+# Error feedback (docs/wire-format.md, section 13): the coded tensor is g + r, summed as torch sums two tensors of
+# the gradient's type; the residual is what its coding lost, in that type.
+def feedback_input(g: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    return g if r is None else g + r
+
+
+def feedback_residual(x: torch.Tensor, packed: torch.Tensor, scaler) -> torch.Tensor:
+    """x - fl_T(s * b): scaler one float, or fp32 per element."""
+    sent = values(unpack(packed.cpu(), x.numel())) * torch.as_tensor(scaler, dtype=torch.float32)
+    return x - sent.to(device=x.device, dtype=x.dtype)
+
+
 def values(codes: torch.Tensor) -> torch.Tensor:
     """Code -> value in {-1, 0, +1} as fp32."""
     return (codes == 1).float() - (codes == 2).float()
@@ -225,20 +238,27 @@ class ReferenceBackend:
     def __init__(self, nthreads: int | None = None):
         del nthreads  # torch's own
 
-    def moments(self, x):
-        return moments(x)
+    def moments(self, x, r=None):
+        return moments(feedback_input(x, r))
 
-    def moments_blocks(self, x, block):
+    def moments_blocks(self, x, block, r=None):
+        x = feedback_input(x, r)
         return moments(x), block_absmax(x, block).to(x.device)
 
     def block_absmax(self, x, block):
         return block_absmax(x, block).to(x.device)
 
-    def ternarize_pack(self, x, scaler, key, out):
+    def ternarize_pack(self, x, scaler, key, out, r=None, r_out=None):
+        x = feedback_input(x, r)
         out.copy_(ternarize_pack(x, scaler, key.seed, key.step, key.rank, key.tensor_id))
+        if r_out is not None:
+            r_out.copy_(feedback_residual(x, out, torch.tensor(scaler, dtype=torch.float32)))
 
-    def ternarize_pack_blocks(self, x, scalers, block, key, out):
+    def ternarize_pack_blocks(self, x, scalers, block, key, out, r=None, r_out=None):
+        x = feedback_input(x, r)
         out.copy_(ternarize_pack_blocks(x, scalers, block, key.seed, key.step, key.rank, key.tensor_id))
+        if r_out is not None:
+            r_out.copy_(feedback_residual(x, out, per_element(scalers.float().cpu(), block, x.numel())))
 
     def decode_mean(self, codes, scalers, shared, n, out):
         res, ok = decode_mean([c.cpu() for c in codes], scalers, shared, n)

@@ -54,21 +54,65 @@ __device__ __forceinline__ float tg_load_f(const tg_bf16* p, long long i) {
 __device__ __forceinline__ double tg_load_d(const tg_f16* p, long long i) { return (double)tg_load_f(p, i); }
 __device__ __forceinline__ double tg_load_d(const tg_bf16* p, long long i) { return (double)tg_load_f(p, i); }
 
+// fp32 -> fp16 and bf16, rounding to nearest even: a copy of csrc/terngrad_cpu.cpp's, as tg_half_to_float is.
+__device__ __forceinline__ unsigned short tg_float_to_half(float f) {
+  unsigned int x = __float_as_uint(f);
+  const unsigned short sign = (unsigned short)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (x >= 0x477ff000u) return sign | 0x7c00u;
+  if (x < 0x38800000u) return sign | (unsigned short)(__float_as_uint(__fadd_rn(__uint_as_float(x), 0.5f)) - 0x3f000000u);
+  const unsigned int odd = (x >> 13) & 1u;
+  return sign | (unsigned short)((x + ((unsigned int)(15 - 127) << 23) + 0xfffu + odd) >> 13);
+}
+__device__ __forceinline__ unsigned short tg_float_to_bf16(float f) {
+  const unsigned int x = __float_as_uint(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// Error feedback's arithmetic in the gradient's type (docs/wire-format.md, section 13): x = fl_T(g + r) and
+// r' = fl_T(x - fl_T(sent)), sent = s * b in fp32 (+0, s or -s).
+__device__ __forceinline__ float tg_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double tg_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ tg_f16 tg_add(tg_f16 a, tg_f16 b) {
+  return {tg_float_to_half(__fadd_rn(tg_half_to_float(a.v), tg_half_to_float(b.v)))};
+}
+__device__ __forceinline__ tg_bf16 tg_add(tg_bf16 a, tg_bf16 b) {
+  return {tg_float_to_bf16(__fadd_rn(__uint_as_float((unsigned int)a.v << 16), __uint_as_float((unsigned int)b.v << 16)))};
+}
+__device__ __forceinline__ float tg_sub_sent(float x, float sent) { return __fsub_rn(x, sent); }
+__device__ __forceinline__ double tg_sub_sent(double x, float sent) { return __dsub_rn(x, (double)sent); }
+__device__ __forceinline__ tg_f16 tg_sub_sent(tg_f16 x, float sent) {
+  return {tg_float_to_half(__fsub_rn(tg_half_to_float(x.v), tg_half_to_float(tg_float_to_half(sent))))};
+}
+__device__ __forceinline__ tg_bf16 tg_sub_sent(tg_bf16 x, float sent) {
+  const float s = __uint_as_float((unsigned int)tg_float_to_bf16(sent) << 16);
+  return {tg_float_to_bf16(__fsub_rn(__uint_as_float((unsigned int)x.v << 16), s))};
+}
+
+// Element i of the coded tensor: x[i], or fl_T(x[i] + r[i]) with a residual (r may be null).
+template <typename T>
+__device__ __forceinline__ T tg_elem(const T* x, const T* r, long long i) { return r ? tg_add(x[i], r[i]) : x[i]; }
+
 // ---------------------------------------------------------------------------------------------------
 // Statistics: each block reduces a contiguous chunk to (sum(x - x0), sum((x - x0)^2), max|x|, #non-finite)
 // in double; the host adds the per-block partials in block order.
+// With r: of x + r (error feedback).
 template <typename T>
-__device__ void tg_stats_partial_impl(const T* x, long long n, long long chunk, double big, double* psum,
+__device__ void tg_stats_partial_impl(const T* x, const T* r, long long n, long long chunk, double big, double* psum,
                                       double* psq, double* pmax, unsigned long long* pbad) {
   __shared__ double s_sum[256], s_sq[256], s_max[256];
   __shared__ unsigned long long s_bad[256];
-  const double x0 = tg_load_d(x, 0);
+  const T first = tg_elem(x, r, 0);
+  const double x0 = tg_load_d(&first, 0);
   const long long begin = (long long)blockIdx.x * chunk;
   const long long end = min(n, begin + chunk);
   double sum = 0, sq = 0, mx = 0;
   unsigned long long bad = 0;
   for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const double v = tg_load_d(x, i), a = fabs(v), d = v - x0;
+    const T e = tg_elem(x, r, i);
+    const double v = tg_load_d(&e, 0), a = fabs(v), d = v - x0;
     sum = __dadd_rn(sum, d);
     sq = __dadd_rn(sq, __dmul_rn(d, d));
     mx = a > mx ? a : mx;
@@ -92,8 +136,10 @@ __device__ void tg_stats_partial_impl(const T* x, long long n, long long chunk, 
 
 // ---------------------------------------------------------------------------------------------------
 // Ternarize + pack: one thread per Philox block j, i.e. elements 8j .. 8j+7 and output bytes 2j, 2j+1.
+// Error feedback: r (may be null) is added to x, and with r_out the residual x - scaler * b is written there.
 template <typename T>
-__device__ __forceinline__ void tg_ternarize_block8(const T* x, long long n, long long j, float scaler_2m17,
+__device__ __forceinline__ void tg_ternarize_block8(const T* x, const T* r, T* r_out, float scaler, long long n,
+                                                    long long j, float scaler_2m17,
                                                     unsigned int k0, unsigned int k1, unsigned int c1_hi,
                                                     unsigned int tensor_id, unsigned int step, unsigned char* out) {
   unsigned int c[4] = {(unsigned int)j, (unsigned int)(((unsigned long long)j >> 32) & 0xffffu) | c1_hi, tensor_id,
@@ -106,8 +152,11 @@ __device__ __forceinline__ void tg_ternarize_block8(const T* x, long long n, lon
     if (i < n) {
       const unsigned int h = (c[k / 2] >> (16 * (k % 2))) & 0xffffu;
       const float t = __fmul_rn((float)(2 * h + 1), scaler_2m17);
-      const float xf = tg_load_f(x, i);
-      if (t < fabsf(xf)) bits |= ((__float_as_uint(xf) >> 31) ? 2u : 1u) << (2 * k);
+      const T e = tg_elem(x, r, i);
+      const float xf = tg_load_f(&e, 0);
+      const unsigned int code = t < fabsf(xf) ? ((__float_as_uint(xf) >> 31) ? 2u : 1u) : 0u;
+      bits |= code << (2 * k);
+      if (r_out) r_out[i] = tg_sub_sent(e, code == 1u ? scaler : (code == 2u ? -scaler : 0.0f));
     }
   }
   out[2 * j] = (unsigned char)(bits & 0xffu);
@@ -119,7 +168,8 @@ __device__ void tg_ternarize_pack_impl(const T* x, long long n, float scaler_2m1
                                        unsigned int c1_hi, unsigned int tensor_id, unsigned int step,
                                        unsigned char* out) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (8 * j < n) tg_ternarize_block8(x, n, j, scaler_2m17, k0, k1, c1_hi, tensor_id, step, out);
+  if (8 * j < n) tg_ternarize_block8<T>(x, nullptr, nullptr, 0.0f, n, j, scaler_2m17, k0, k1, c1_hi, tensor_id, step,
+                                        out);
 }
 
 // Block scalers (wire format version 2): the 8 elements of a thread lie in one block (block: a multiple of 64),
@@ -131,19 +181,35 @@ __device__ void tg_ternarize_pack_blocks_impl(const T* x, long long n, const flo
                                               unsigned int tensor_id, unsigned int step, unsigned char* out) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (8 * j < n)
-    tg_ternarize_block8(x, n, j, scalers_2m17[8 * j / block], k0, k1, c1_hi, tensor_id, step, out);
+    tg_ternarize_block8<T>(x, nullptr, nullptr, 0.0f, n, j, scalers_2m17[8 * j / block], k0, k1, c1_hi, tensor_id,
+                           step, out);
+}
+
+// Error feedback fused in (section 13): codes of x + r (r may be null) with scalers[8j / block] (block >= n: one
+// scaler), and the residual written to r_out (may be r). s2m17: fl32(s * 2^-17) of each scaler, as above.
+template <typename T>
+__device__ void tg_ternarize_pack_feedback_impl(const T* x, const T* r, long long n, const float* s2m17,
+                                                const float* scalers, long long block, unsigned int k0,
+                                                unsigned int k1, unsigned int c1_hi, unsigned int tensor_id,
+                                                unsigned int step, unsigned char* out, T* r_out) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (8 * j < n) {
+    const long long b = 8 * j / block;
+    tg_ternarize_block8<T>(x, r, r_out, scalers[b], n, j, s2m17[b], k0, k1, c1_hi, tensor_id, step, out);
+  }
 }
 
 // Per block of `block` elements, max|x| with NaN ignored, into out (zeroed by the caller) as the bits of a
 // double: one thread per 8 elements, combined by an atomic max on the bit patterns, which order as the
 // values do for non-negative doubles. Exact for every input type.
 template <typename T>
-__device__ void tg_block_absmax_impl(const T* x, long long n, long long block, unsigned long long* out) {
+__device__ void tg_block_absmax_impl(const T* x, const T* r, long long n, long long block, unsigned long long* out) {
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (8 * j >= n) return;
   double m = 0.0;
   for (long long i = 8 * j; i < 8 * j + 8 && i < n; ++i) {
-    const double a = fabs(tg_load_d(x, i));
+    const T e = tg_elem(x, r, i);
+    const double a = fabs(tg_load_d(&e, 0));
     m = a > m ? a : m;
   }
   if (m > 0.0) atomicMax(out + 8 * j / block, (unsigned long long)__double_as_longlong(m));
@@ -245,11 +311,12 @@ extern "C" __global__ void tg_decode_packed_sums(const unsigned char* packed, in
 }
 
 // ---------------------------------------------------------------------------------------------------
+// With r (stats, block_absmax): of x + r, error feedback's coded tensor; r may be null.
 #define TG_INSTANTIATE(SUFFIX, T)                                                                              \
-  extern "C" __global__ void tg_stats_partial_##SUFFIX(const T* x, long long n, long long chunk, double big,     \
-                                                       double* psum, double* psq, double* pmax,                 \
+  extern "C" __global__ void tg_stats_partial_##SUFFIX(const T* x, const T* r, long long n, long long chunk,     \
+                                                       double big, double* psum, double* psq, double* pmax,     \
                                                        unsigned long long* pbad) {                              \
-    tg_stats_partial_impl<T>(x, n, chunk, big, psum, psq, pmax, pbad);                                         \
+    tg_stats_partial_impl<T>(x, r, n, chunk, big, psum, psq, pmax, pbad);                                      \
   }                                                                                                            \
   extern "C" __global__ void tg_ternarize_pack_##SUFFIX(const T* x, long long n, float scaler_2m17,             \
                                                         unsigned int k0, unsigned int k1, unsigned int c1_hi,   \
@@ -263,9 +330,16 @@ extern "C" __global__ void tg_decode_packed_sums(const unsigned char* packed, in
                                                                unsigned int step, unsigned char* out) {         \
     tg_ternarize_pack_blocks_impl<T>(x, n, s2m17, block, k0, k1, c1_hi, tensor_id, step, out);                  \
   }                                                                                                            \
-  extern "C" __global__ void tg_block_absmax_##SUFFIX(const T* x, long long n, long long block,                  \
+  extern "C" __global__ void tg_ternarize_pack_feedback_##SUFFIX(                                              \
+      const T* x, const T* r, long long n, const float* s2m17, const float* scalers, long long block,           \
+      unsigned int k0, unsigned int k1, unsigned int c1_hi, unsigned int tensor_id, unsigned int step,          \
+      unsigned char* out, T* r_out) {                                                                          \
+    tg_ternarize_pack_feedback_impl<T>(x, r, n, s2m17, scalers, block, k0, k1, c1_hi, tensor_id, step, out,     \
+                                       r_out);                                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void tg_block_absmax_##SUFFIX(const T* x, const T* r, long long n, long long block,      \
                                                       unsigned long long* out) {                                \
-    tg_block_absmax_impl<T>(x, n, block, out);                                                                 \
+    tg_block_absmax_impl<T>(x, r, n, block, out);                                                              \
   }
 
 TG_INSTANTIATE(f32, float)

@@ -143,9 +143,9 @@ class ShardedTernary(Sharded):
         reply[:wire.OWNER_SCALER_BYTES] = torch.tensor([scaler], dtype=torch.float32).view(torch.uint8).to(
             shards.device)
         codes = reply[wire.OWNER_SCALER_BYTES:]
-        coder.codec.ternarize_pack(avg, scaler, rng, out=codes)
-        if cfg.owner_error_feedback:  # what this draw lost, added to the shard's next average
-            coder.feedback.keep_owner(key, avg, coder.codec.decode_mean([codes], [scaler], True, avg.numel()))
+        # with owner error feedback the kernel also writes what this draw lost, added to the shard's next average
+        kept = coder.feedback.owner_out(key, avg) if cfg.owner_error_feedback else None
+        coder.codec.ternarize_pack(avg, scaler, rng, out=codes, residual_out=kept)
         return reply
 
     def decode(self, coder, items, received, outs=None):

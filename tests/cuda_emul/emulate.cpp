@@ -17,6 +17,8 @@ static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f
 static inline float __double2float_rn(double d) { return (float)d; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline int atomicOr(int* p, int v) { const int o = *p; *p |= v; return o; }
@@ -66,15 +68,30 @@ static void blk_body(void* p) {
   }
 }
 
-struct MaxArgs { int dt; const void* x; long long n, block; unsigned long long* out; };
+struct MaxArgs { int dt; const void* x; const void* r; long long n, block; unsigned long long* out; };
 static void max_body(void* p) {
   auto* a = static_cast<MaxArgs*>(p);
   switch (a->dt) {
-    case 0: tg_block_absmax_f32((const float*)a->x, a->n, a->block, a->out); break;
-    case 1: tg_block_absmax_f64((const double*)a->x, a->n, a->block, a->out); break;
-    case 2: tg_block_absmax_f16((const tg_f16*)a->x, a->n, a->block, a->out); break;
-    case 3: tg_block_absmax_bf16((const tg_bf16*)a->x, a->n, a->block, a->out); break;
+    case 0: tg_block_absmax_f32((const float*)a->x, (const float*)a->r, a->n, a->block, a->out); break;
+    case 1: tg_block_absmax_f64((const double*)a->x, (const double*)a->r, a->n, a->block, a->out); break;
+    case 2: tg_block_absmax_f16((const tg_f16*)a->x, (const tg_f16*)a->r, a->n, a->block, a->out); break;
+    case 3: tg_block_absmax_bf16((const tg_bf16*)a->x, (const tg_bf16*)a->r, a->n, a->block, a->out); break;
   }
+}
+
+struct FbArgs { int dt; const void* x; const void* r; long long n; const float *s2m17, *scalers; long long block;
+                unsigned k0, k1, c1, tid, step; unsigned char* out; void* r_out; };
+static void fb_body(void* p) {
+  auto* a = static_cast<FbArgs*>(p);
+#define TG_FB(T, F) F((const T*)a->x, (const T*)a->r, a->n, a->s2m17, a->scalers, a->block, a->k0, a->k1, a->c1, \
+                      a->tid, a->step, a->out, (T*)a->r_out)
+  switch (a->dt) {
+    case 0: TG_FB(float, tg_ternarize_pack_feedback_f32); break;
+    case 1: TG_FB(double, tg_ternarize_pack_feedback_f64); break;
+    case 2: TG_FB(tg_f16, tg_ternarize_pack_feedback_f16); break;
+    case 3: TG_FB(tg_bf16, tg_ternarize_pack_feedback_bf16); break;
+  }
+#undef TG_FB
 }
 
 struct SumArgs { const unsigned long long* shards; int nranks; long long shard_bytes; int bits; unsigned char* out; int* bad; };
@@ -113,8 +130,15 @@ void emu_ternarize_blocks(int dt, const void* x, long long n, const float* scale
   const long long nblk = (n + 7) / 8;
   grid((nblk + 255) / 256 * 256, blk_body, &a);
 }
-void emu_block_absmax(int dt, const void* x, long long n, long long block, unsigned long long* out) {
-  MaxArgs a{dt, x, n, block, out};
+void emu_ternarize_feedback(int dt, const void* x, const void* r, long long n, const float* s2m17,
+                            const float* scalers, long long block, unsigned k0, unsigned k1, unsigned c1, unsigned tid,
+                            unsigned step, unsigned char* out, void* r_out) {
+  FbArgs a{dt, x, r, n, s2m17, scalers, block, k0, k1, c1, tid, step, out, r_out};
+  const long long nblk = (n + 7) / 8;
+  grid((nblk + 255) / 256 * 256, fb_body, &a);
+}
+void emu_block_absmax(int dt, const void* x, const void* r, long long n, long long block, unsigned long long* out) {
+  MaxArgs a{dt, x, r, n, block, out};
   const long long nblk = (n + 7) / 8;
   grid((nblk + 255) / 256 * 256, max_body, &a);
 }

@@ -1,7 +1,8 @@
 """Regenerate the golden vectors from the torch reference (only when the wire format changes).
 
     python -m tests.golden.make_golden      # codec_v1.json (sections 1-6), sharded_v1.json (sections 10-11),
-                                            # codec_v2.json (section 12, block scalers)
+                                            # codec_v2.json (section 12, block scalers),
+                                            # feedback_v1.json (section 13, error feedback)
 """
 import json
 import math
@@ -142,12 +143,63 @@ def main_blocks():
     print(f"wrote {path}")
 
 
+# Error feedback: the coded tensor g + r and the residual left, for each type, with one scaler and with blocks.
+FEEDBACK_CASES = [
+    # name, n, dtype, block_size (0: one scaler), seed, step, rank, tensor_id
+    ("f32_n77", 77, "float32", 0, 3, 9, 1, 21),
+    ("f32_n200_b64", 200, "float32", 64, 4, 10, 2, 22),
+    ("f64_n77_b64", 77, "float64", 64, 5, 11, 3, 23),
+    ("f16_n77", 77, "float16", 0, 6, 12, 4, 24),
+    ("bf16_n200_b64", 200, "bfloat16", 64, 7, 13, 5, 25),
+]
+
+
+def feedback_case(case: dict):
+    """(g, r, scalers: a float or fp32 per block, RngKey) of a feedback_v1.json case: r is a smaller ramp."""
+    from hvd_terngrad import TernGradConfig, codec
+
+    n, dtype, block = case["n"], case["dtype"], case["block_size"]
+    g = block_input(n, dtype)
+    r = (golden_input(n + 5, "float64")[5:] * 0.125).to(getattr(torch, dtype))
+    x = reference.feedback_input(g, r)
+    cfg = TernGradConfig(clip=0.0, error_feedback=True, block_size=block or None)
+    st = codec.Moments(*reference.moments(x))
+    scalers = cfg.block_scalers(st, reference.block_absmax(x, block)) if block else float(cfg.scaler(st))
+    return g, r, scalers, codec.RngKey(case["seed"], case["step"], case["rank"], case["tensor_id"])
+
+
+def main_feedback():
+    cases = []
+    for name, n, dtype, block, seed, step, rank, tid in FEEDBACK_CASES:
+        case = {"name": name, "n": n, "dtype": dtype, "block_size": block, "seed": seed, "step": step,
+                "rank": rank, "tensor_id": tid}
+        g, r, scalers, key = feedback_case(case)
+        x = reference.feedback_input(g, r)
+        if block:
+            packed = reference.ternarize_pack_blocks(x, scalers, block, seed, step, rank, tid)
+            per = reference.per_element(scalers, block, n)
+        else:
+            packed = reference.ternarize_pack(x, scalers, seed, step, rank, tid)
+            per = torch.tensor(scalers, dtype=torch.float32)
+        residual = reference.feedback_residual(x, packed, per)
+        case.update(packed_hex=bytes(packed.tolist()).hex(),
+                    residual_hex=bytes(residual.view(torch.uint8).tolist()).hex(),
+                    stats=list(reference.moments(x)))
+        cases.append(case)
+    path = Path(__file__).with_name("feedback_v1.json")
+    path.write_text(json.dumps({"section": 13, "cases": cases}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] == ["--blocks"]:  # version 2 only: v1's files stay as they are
         main_blocks()
+    elif sys.argv[1:] == ["--feedback"]:  # section 13 only
+        main_feedback()
     else:
         main()
         main_sharded()
         main_blocks()
+        main_feedback()
