@@ -114,7 +114,7 @@ class ComputeProbe:
         self.model = build(name)
         self.params = [pn for pn, _ in self.model.named_parameters()]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
-        self.x, self.y = synthetic_batch(batch)
+        self.x, self.y = synthetic_batch(batch, name)
         self.stamp: dict = {}
         for pname, prm in self.model.named_parameters():
             prm.register_post_accumulate_grad_hook(

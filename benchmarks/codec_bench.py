@@ -8,6 +8,10 @@ Encode = ternarize + pack (the scaler given); stats is the separate statistics p
   the usual way TernGrad is written in Python; it keeps one int8 per element (no 2-bit packing);
 - numpy: a naive numpy ternarizer with 2-bit packing.
 Decode = the average of 4 ranks' codes into one fp32 tensor (GB/s of fp32 output).
+A second table times what the recommended configuration adds, one tensor through a rank's Coder (moments,
+scalers, codes, residual) as the pipeline runs it: the paper's defaults, block scalers (64), error feedback,
+and both (TernGradConfig.recommended()); the fused error-feedback kernel alone against ternarize_pack; and
+error feedback written in torch ops around the plain kernels (how it was done before the fused kernels).
 With a CUDA device (and CuPy) a GPU section adds the device-to-device copy and checks CPU/GPU bit identity.
 """
 from __future__ import annotations
@@ -128,6 +132,65 @@ def _cuda_time(fn, reps=20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _coder_encode(cfg, x: torch.Tensor) -> float:
+    """Seconds of one tensor's encode through a Coder: prepare (moments, scalers) and code_into (codes, residual)."""
+    from hvd_terngrad.coder import Coder
+    from hvd_terngrad.wire import codes_size
+
+    coder = Coder(cfg, 0, 2)
+    codes = torch.empty(codes_size(x.numel()), dtype=torch.uint8)
+
+    def once():
+        coder.code_into(coder.prepare("w", x), codes)
+        coder.next_step()
+
+    once()  # the first step allocates the residual
+    return timeit(once)
+
+
+def _unfused_feedback(x, r, s, key, nt):
+    """Error feedback around the plain kernels in torch ops: g + r, moments, codes, decode, s*b, new residual."""
+    x2 = x + r
+    codec.moments(x2, backend="cpu", nthreads=nt)
+    codes = codec.ternarize_pack(x2, s, key, backend="cpu", nthreads=nt)
+    b = codec.decode_mean([codes], [1.0], True, x.numel(), backend="cpu", nthreads=nt)
+    return x2 - b * torch.tensor(s, dtype=torch.float32)
+
+
+def feedback_rows(n: int, threads: list[int]) -> list[dict]:
+    """Seconds per tensor of n fp32 elements: the encode of each configuration, and the kernels alone."""
+    import dataclasses
+
+    from hvd_terngrad import TernGradConfig
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=g) * 0.01
+    r = torch.randn(n, generator=g) * 0.002
+    out = torch.empty((n + 3) // 4, dtype=torch.uint8)
+    xa = x.numpy()
+    ya = np.empty_like(xa)
+    t_memcpy = timeit(lambda: np.copyto(ya, xa))
+    s = float(np.float32(float(x.abs().max())))
+    key = codec.RngKey(1, 2, 3, 4)
+    rec = TernGradConfig.recommended()
+    configs = {"paper": TernGradConfig(), "block64": TernGradConfig(block_size=64),
+               "feedback": TernGradConfig(error_feedback=True), "recommended": rec}
+    rows = []
+    for nt in threads:
+        torch.set_num_threads(nt)
+        row = {"n": n, "threads": nt, "memcpy_1t": t_memcpy}
+        for name, cfg in configs.items():
+            row[f"encode_{name}"] = _coder_encode(dataclasses.replace(cfg, num_threads=nt, backend="cpu"), x)
+        row["ternarize"] = timeit(lambda nt=nt: codec.ternarize_pack(x, s, key, out=out, backend="cpu", nthreads=nt))
+        rr = r.clone()
+        row["ternarize_feedback"] = timeit(lambda nt=nt, rr=rr: codec.ternarize_pack(
+            x, s, key, out=out, residual=rr, residual_out=rr, backend="cpu", nthreads=nt))
+        row["encode_feedback_unfused"] = timeit(lambda nt=nt: _unfused_feedback(x, r, s, key, nt), max_reps=10)
+        rows.append(row)
+    torch.set_num_threads(max(threads))
+    return rows
+
+
 def gpu_row(n: int) -> dict:
     x = torch.randn(n, device="cuda") * 0.01
     y = torch.empty_like(x)
@@ -185,6 +248,23 @@ def main(argv=None):
                   f"{r['numpy_encode']:.3f} | {r['numpy_decode']:.3f} | {r['encode'] / r['memcpy_1t']:.2f}x | "
                   f"{r['encode'] / r['torch_ops_encode']:.0f}x | {r['decode'] / r['torch_ops_decode']:.0f}x |",
                   flush=True)
+    print("\nWhat the recommended configuration adds: ms per tensor of n fp32 elements through a rank's Coder "
+          "(moments, scalers, codes, residual);\n'unfused' is error feedback in torch ops around the plain kernels, "
+          "as before the fused ones; EF = error feedback\n")
+    hdr = ("| n | threads | memcpy 1t | paper | block 64 | EF | EF unfused | recommended | EF/paper | "
+           "recommended/block 64 | kernel: ternarize | ternarize+EF | EF cost |")
+    print(hdr)
+    print("|---:" * (hdr.count("|") - 1) + "|")
+    fb_rows = []
+    for n in sizes:
+        for r in feedback_rows(n, threads):
+            fb_rows.append(r)
+            ms = {k: 1e3 * v for k, v in r.items() if k not in ("n", "threads")}
+            print(f"| {fmt_size(n)} | {r['threads']} | {ms['memcpy_1t']:.2f} | {ms['encode_paper']:.2f} | "
+                  f"{ms['encode_block64']:.2f} | {ms['encode_feedback']:.2f} | {ms['encode_feedback_unfused']:.1f} | "
+                  f"{ms['encode_recommended']:.2f} | {r['encode_feedback'] / r['encode_paper']:.2f}x | "
+                  f"{r['encode_recommended'] / r['encode_block64']:.2f}x | {ms['ternarize']:.2f} | "
+                  f"{ms['ternarize_feedback']:.2f} | {r['ternarize_feedback'] / r['ternarize']:.2f}x |", flush=True)
     g = gpu_rows(sizes)
     if g:
         print(f"\nGPU: {g[0]['device']}")
@@ -198,7 +278,7 @@ def main(argv=None):
         print("\nGPU: no CUDA device with CuPy here; the GPU rows need a machine with one.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": rows, "gpu": g}, f, indent=1)
+            json.dump({"cpu": rows, "feedback_seconds": fb_rows, "gpu": g}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ parameters divide under TernGrad's default policy. No Horovod: the performance m
     mlp        3072 -> 2048 -> 2048 -> 10 (10.5 M)
     wide       3072 -> 4096 -> 10 (12.6 M), little compute: for transport sweeps at batch size 4
     tiny       3072 -> 128 -> 10, for smoke tests
+    alexnet-imagenet  torchvision's AlexNet layer for layer (61.1 M, 224x224 images, 1000 classes): the model of
+               Horovod's pytorch_synthetic_benchmark.py, without torchvision
 """
 from __future__ import annotations
 
@@ -110,13 +112,38 @@ class FC(nn.Module):
         return self.net(x)
 
 
+class AlexNetImageNet(nn.Module):
+    """torchvision.models.alexnet(): the same layers, shapes and parameter names (features.*, classifier.*)."""
+
+    INPUT_SHAPE, NUM_CLASSES = (3, 224, 224), 1000
+
+    def __init__(self):
+        super().__init__()
+        relu = functools.partial(nn.ReLU, inplace=True)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, 11, stride=4, padding=2), relu(), nn.MaxPool2d(3, 2),
+            nn.Conv2d(64, 192, 5, padding=2), relu(), nn.MaxPool2d(3, 2),
+            nn.Conv2d(192, 384, 3, padding=1), relu(), nn.Conv2d(384, 256, 3, padding=1), relu(),
+            nn.Conv2d(256, 256, 3, padding=1), relu(), nn.MaxPool2d(3, 2))
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(
+            nn.Dropout(0.5), nn.Linear(256 * 6 * 6, 4096), relu(), nn.Dropout(0.5), nn.Linear(4096, 4096), relu(),
+            nn.Linear(4096, self.NUM_CLASSES))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
 MODELS = {"alexnet": AlexNetS, "vgg": VGGAS, "googlenet": GoogLeNetS, "mlp": MLP,
-          "wide": functools.partial(FC, 4096), "tiny": functools.partial(FC, 128)}
+          "wide": functools.partial(FC, 4096), "tiny": functools.partial(FC, 128),
+          "alexnet-imagenet": AlexNetImageNet}
 
 
-def synthetic_batch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random images and labels of the models' input."""
-    return torch.randn(batch, *INPUT_SHAPE), torch.randint(0, NUM_CLASSES, (batch,))
+def synthetic_batch(batch: int, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels of model `name`'s input (CIFAR-sized unless the model says otherwise)."""
+    cls = MODELS.get(name)
+    shape, classes = getattr(cls, "INPUT_SHAPE", INPUT_SHAPE), getattr(cls, "NUM_CLASSES", NUM_CLASSES)
+    return torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
 
 
 def build(name: str) -> nn.Module:

@@ -101,7 +101,7 @@ def measure(models: list[str], batch: int, reps: int) -> dict:
     for m in models:
         model = build(m)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = synthetic_batch(batch)
+        x, y = synthetic_batch(batch, m)
         fw = bw = up = 0.0
         for i in range(reps + 2):
             t0 = time.perf_counter()

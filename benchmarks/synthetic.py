@@ -62,7 +62,7 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt, tg = build_optimizer(method, model, torch.optim.SGD(model.parameters(), lr=0.01))
         net = model
-    data, target = synthetic_batch(batch_size)
+    data, target = synthetic_batch(batch_size, model_name)
 
     def step():
         opt.zero_grad()
