@@ -50,6 +50,17 @@ mkdir -p "$LOG_DIR"
 t_start=$(date +%s)
 
 # run_step NAME CHECK_FN DO_FN: skip when CHECK_FN succeeds, else run DO_FN with output in NAME.log.
+# While a step runs, every 30 s (HVD_TERNGRAD_HEARTBEAT_S): the time so far and where its log is (a build's [ NN%], else its last line),
+# so that the Horovod build (minutes, silent otherwise) shows it is alive.
+heartbeat() {
+  local name=$1 log=$2 t0=$3 where
+  while sleep "${HVD_TERNGRAD_HEARTBEAT_S:-30}"; do
+    where=$(grep -o '\[ *[0-9]*%\]' "$log" 2>/dev/null | tail -n 1)
+    [ -n "$where" ] && where="build at $where" || where=$(tail -n 1 "$log" 2>/dev/null | cut -c1-100)
+    echo "install: $name: $(( $(date +%s) - t0 ))s so far${where:+; $where}"
+  done
+}
+
 run_step() {
   local name=$1 check=$2 action=$3 log=$LOG_DIR/$1.log
   if "$check" >/dev/null 2>&1; then
@@ -61,14 +72,18 @@ run_step() {
     exit 1
   fi
   echo "install: $name: installing (log: $log)"
-  local t0; t0=$(date +%s)
+  local t0 hb; t0=$(date +%s)
+  heartbeat "$name" "$log" "$t0" &
+  hb=$!
   if ! "$action" >"$log" 2>&1; then
+    kill "$hb" 2>/dev/null || true
     local why
     why=$(grep -E -i 'error|fatal|not found|no such' "$log" | grep -v -i 'warning' | tail -n 1 | cut -c1-200)
     [ -n "$why" ] || why=$(tail -n 1 "$log" | cut -c1-200)
     echo "install: step '$name' failed: ${why:-see log}; full log: $log" >&2
     exit 1
   fi
+  kill "$hb" 2>/dev/null || true
   if ! "$check" >>"$log" 2>&1; then
     echo "install: step '$name' finished but its check still fails; full log: $log" >&2
     exit 1
