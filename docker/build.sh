@@ -4,8 +4,9 @@
 #   docker/build.sh              build hvd_terngrad:cpu and run `horovodrun --check-build` in it
 #   docker/build.sh --cluster    then two containers on one network: the synthetic benchmark with TernGrad
 #                                and a 2-worker digits training whose parameters must agree
-#   docker/build.sh --cleanup    remove what a killed run left: the job's containers, network and volume, and
-#                                untagged images (the images hvd_terngrad:cpu and its build stage stay)
+#   docker/build.sh --cleanup    remove what a killed run left: the job's containers, network and volume, the
+#                                working containers of unfinished builds, and untagged images (the images
+#                                hvd_terngrad:cpu and its build stage, and the layer cache, stay)
 #
 # Each step says its name; a failure names the step and shows the end of its log. The job's containers,
 # network and volume are removed when the script ends, however it ends (a kill by SIGTERM included).
@@ -55,9 +56,17 @@ STEP="" STEP_LOG=""
 step() { STEP=$1 STEP_LOG=${2:-}; say "[$STEP]${STEP_LOG:+ (log: $STEP_LOG)}"; }
 
 # The 2-container job's containers, network and volume (compose's and the plain commands'), and untagged images.
+# With "interrupted": also the working containers of builds that did not finish (podman build leaves them when
+# it is killed), which hold their partial images. That is every unfinished build on this machine: hence only
+# then (--cleanup, or a failed run).
 cleanup() {
   [ -n "${ENGINE:-}" ] || return 0
   local c
+  if [ "${1:-}" = interrupted ] && [ "$ENGINE" = podman ]; then
+    for c in $(podman ps -a --external --format '{{.ID}} {{.Names}}' 2>/dev/null | awk '$2 ~ /-working-container$/ {print $1}'); do
+      podman rm -f "$c" >/dev/null 2>&1 || true
+    done
+  fi
   for c in $($ENGINE ps -a --format '{{.Names}}' 2>/dev/null | grep -E "^(${PROJECT}_worker[0-9]+_1|${PROJECT}-[0-9]+-w[0-9])$"); do
     $ENGINE rm -f "$c" >/dev/null 2>&1 || true
   done
@@ -70,17 +79,18 @@ cleanup() {
   $ENGINE image prune -f >/dev/null 2>&1 || true  # untagged: an interrupted build's layers, replaced tags
 }
 
+exec 3>&2  # the script's stderr: a trap may run inside a step whose output goes to its log
 on_exit() {
   local rc=$?
   trap - EXIT INT TERM
   if [ "$rc" != 0 ] && [ -n "$STEP" ]; then
     if [ -n "$STEP_LOG" ] && [ -s "$STEP_LOG" ]; then
-      echo "docker/build.sh: the end of $STEP_LOG:" >&2
-      tail -n 25 "$STEP_LOG" >&2
+      echo "docker/build.sh: the end of $STEP_LOG:" >&3
+      tail -n 25 "$STEP_LOG" >&3
     fi
-    echo "docker/build.sh: FAILED in step '$STEP' (exit $rc)${STEP_LOG:+; full log: $STEP_LOG}" >&2
+    echo "docker/build.sh: FAILED in step '$STEP' (exit $rc)${STEP_LOG:+; full log: $STEP_LOG}" >&3
   fi
-  cleanup
+  if [ "$rc" != 0 ]; then cleanup interrupted; else cleanup; fi
   exit "$rc"
 }
 trap on_exit EXIT
@@ -217,7 +227,7 @@ job_report() {
   grep -a -E '\[[0-9]+,[0-9]+\]<std(out|err)>:' "$1" | "$py" "$ROOT/scripts/rank0_report.py" "$WORK/ranks"
   say "these figures check that the image trains across two containers, not how fast or how well: the"
   say "synthetic benchmark times the tiny model for 3 iterations (+- is 1.96 standard deviations over them),"
-  say "and the digits training runs 2 epochs (make train runs 10, to about 98%)"
+  say "and the digits training runs 2 epochs (make train runs 12, to about 98.6%)"
 }
 
 cluster_compose() {
@@ -250,8 +260,8 @@ cluster_plain() {
 pick_engine
 configure_podman
 if [ $CLEANUP_ONLY = 1 ]; then
-  cleanup
-  say "removed the job's containers, network and volume, and untagged images"
+  cleanup interrupted
+  say "removed the job's containers, network and volume, unfinished builds and untagged images"
   exit 0
 fi
 pick_base
