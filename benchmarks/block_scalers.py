@@ -12,9 +12,9 @@ Rules compared, each per tensor and per block of k elements:
   tensor-clip   s_b = min(c std(tensor), max_b|g|)   hvd_terngrad's rule (TernGradConfig.block_scalers)
   block-clip    s_b = min(c std(block), max_b|g|)    the alternative: clipping decided block by block
   no clip       s_b = max_b|g|                       unbiased
-Bytes: what a worker hands the collectives per coded element: 2-bit codes plus 4 bytes a block in the Max
-allreduce. Time: the CPU codec's encode of one 4M-element fp32 tensor (statistics with block maxima, coding), median
-of repeats, per-tensor and block scalers side by side in one run.
+Bytes: what a worker hands the collectives per coded element: 2-bit codes plus a shared block scaler's 2 bytes
+(wire.BLOCK_SCALER_BYTES) a block in the Max allreduce. Time: the CPU codec's encode of one 4M-element fp32 tensor
+(statistics with block maxima, coding), median of repeats, per-tensor and block scalers side by side in one run.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.fidelity_suite import TASKS, Data
-from hvd_terngrad import TernGradConfig, codec
+from hvd_terngrad import TernGradConfig, codec, wire
 
 CLIP = 2.5
 RULES = ("tensor-clip", "block-clip", "noclip")
@@ -112,7 +112,7 @@ def error_table(tasks: list[str], workers: int, blocks: list[int]) -> list[dict]
 
 
 def bytes_per_element(k: int | None) -> float:
-    return 0.25 + (4.0 / k if k else 0.0)
+    return 0.25 + (wire.BLOCK_SCALER_BYTES / k if k else 0.0)
 
 
 def encode_times(blocks: list[int], n: int = 1 << 22, repeats: int = 15) -> list[dict]:

@@ -436,7 +436,8 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--smoke", action="store_true", help="CI's slice: one seed, 2 workers, a few steps per run")
     ap.add_argument("--out", default="results/fidelity_suite")
-    ap.add_argument("--append", action="store_true", help="add to the runs already in --out (the report covers all)")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the runs already in --out, replacing those run again (the report covers all)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one core each")
     ap.add_argument("--set", action="append", default=[], metavar="TASK.FIELD=VALUE",
                     help="change a task's recipe for this invocation, e.g. charlm.lr=0.2 or charlm.clip_norm=1")
@@ -460,7 +461,9 @@ def main(argv=None):
         parse_method(method)  # a bad name fails now, not after an hour of runs
     t0 = time.perf_counter()
     for r in _runs(todo, args.jobs):
-        runs.append(r)
+        # a run again (after a change to what is drawn) replaces the one before it
+        runs = [o for o in runs if (o["task"], o["workers"], o["method"], o["seed"]) !=
+                (r["task"], r["workers"], r["method"], r["seed"])] + [r]
         print(f"{r['task']:>7} N={r['workers']:<3} {r['method']:<26} seed {r['seed']}: {r['final']:.2f} "
               f"({r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
         (out / "fidelity_suite.json").write_text(json.dumps(runs))

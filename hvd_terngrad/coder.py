@@ -15,7 +15,7 @@ from hvd_terngrad.config import TernGradConfig, payload_tag, tensor_id
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.feedback import ErrorFeedback
 from hvd_terngrad.stats import StatsRecorder
-from hvd_terngrad.wire import SCALER_ENTRY_BYTES
+from hvd_terngrad.wire import BLOCK_SCALER_BYTES, BLOCK_SCALER_LIMIT, SCALER_ENTRY_BYTES, round_block_scalers
 
 
 @dataclass
@@ -79,10 +79,14 @@ class Coder:
             scalers = None
             if cfg.block_size:
                 st, absmax = self.codec.moments_blocks(flat, cfg.block_size, residual=residual)
-                scalers = torch.zeros(absmax.numel()) if st.nonfinite else cfg.block_scalers(st, absmax.cpu())
+                # shared block scalers travel at 16 bits (wire.round_block_scalers), below 2^121
+                bad = st.nonfinite > 0 or (cfg.share_scaler and st.absmax >= BLOCK_SCALER_LIMIT)
+                scalers = torch.zeros(absmax.numel()) if bad else cfg.block_scalers(st, absmax.cpu())
+                if cfg.share_scaler:
+                    scalers = round_block_scalers(scalers)
             else:
                 st = self.codec.moments(flat, residual=residual)
-            bad = st.nonfinite > 0
+                bad = st.nonfinite > 0
         if bad:
             scaler = 0.0
         elif scalers is None:
@@ -129,8 +133,8 @@ class Coder:
         return buf[:n]
 
     def scaler_bytes(self, it: Item) -> int:
-        """What a coded tensor adds to the scaler Max allreduce (share_scaler)."""
-        return SCALER_ENTRY_BYTES + (4 * it.scalers.numel() if it.scalers is not None else 0)
+        """What a coded tensor adds to the scaler Max allreduces (share_scaler)."""
+        return SCALER_ENTRY_BYTES + (BLOCK_SCALER_BYTES * it.scalers.numel() if it.scalers is not None else 0)
 
     @staticmethod
     def nonfinite(items: list[Item]) -> list[Item]:
@@ -141,8 +145,10 @@ class Coder:
         if bad:
             it = bad[0]
             names = ", ".join(repr(b.name) for b in bad[:5])
+            beyond = " or, with shared block scalers, of magnitude 2^121 or more" if self.config.block_size \
+                and self.config.share_scaler else ""
             raise NonFiniteGradientError(
-                f"hvd_terngrad: non-finite (NaN/Inf) gradient in {it.name!r} on rank {it.nonfinite_rank} at step "
-                f"{self.step} (reported on rank {self.rank}; affected: {names}). Every rank raises this in the "
+                f"hvd_terngrad: non-finite (NaN/Inf{beyond}) gradient in {it.name!r} on rank {it.nonfinite_rank} "
+                f"at step {self.step} (reported on rank {self.rank}; affected: {names}). Every rank raises this in the "
                 f"same step; on_nonfinite='skip' (hvd_terngrad.DistributedOptimizer) skips such steps, and "
                 f"on_nonfinite='propagate' hands AMP's GradScaler a NaN average instead.")

@@ -266,9 +266,9 @@ class _Watchdog:
                 os._exit(3)
 
     def _late(self) -> Group | None:
-        now, comm = time.monotonic(), self.tg.pipeline.comm
+        now, pipe = time.monotonic(), self.tg.pipeline
         for g, t0 in self.started.items():
-            if g.stage is Stage.SCALER and now - t0 > self.tg.config.timeout_s and not comm.poll(g.scaler_handle):
+            if g.stage is Stage.SCALER and now - t0 > self.tg.config.timeout_s and not pipe.scalers_arrived(g):
                 return g
         return None
 

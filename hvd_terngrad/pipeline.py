@@ -10,10 +10,11 @@ A group is the tensors that travel together: one tensor for the stock Horovod co
 hvd_terngrad's optimizer and for DDP. Each rank's codes depend on (seed, step, rank, tensor name) and the
 shared scaler, not on how tensors are grouped, so the front ends agree bit for bit.
 
-Sharing the scalers: per tensor [s, f, t, -t] in one Max allreduce, f = rank + 1 where the tensor is non-finite
-and t the low 24 bits of its tag (exact in fp32). After the Max, every rank knows the shared scaler and which
-rank, if any, is non-finite; t != -(-t) means the ranks sent different tensors in that place. With block
-scalers, every tensor's block scalers follow, in item order.
+Sharing the scalers: per tensor [s, f, t, -t] in one fp32 Max allreduce, f = rank + 1 where the tensor is
+non-finite and t the low 24 bits of its tag (exact in fp32). After the Max, every rank knows the shared scaler
+and which rank, if any, is non-finite; t != -(-t) means the ranks sent different tensors in that place. With
+block scalers, every tensor's block scalers, in item order, go in a second Max allreduce, at 16 bits
+(wire.block_scalers_carrier), started with the first.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import resolve_transport
+from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
 
 STATE_VERSION = 1  # of state_dict()
 
@@ -57,7 +59,7 @@ class Group:
         self.what = what  # the group in messages: its first tensor, the one a user can look for
         self.stage = Stage.SHARED
         self.send_when_shared = send_when_shared  # start the transport as soon as the scalers are shared
-        self.scaler_handle = None
+        self.scaler_handle = None  # the scaler Max allreduce(s): (per tensor, block scalers or None)
         self.transport = None
         self.handle = None  # of the transport's collectives
 
@@ -132,8 +134,10 @@ class Pipeline:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         g = Group(key, items, what or f"{items[0].name!r}{more}", send_when_shared)
         if self.config.share_scaler:
-            g.scaler_handle = self.comm.max_allreduce_async(scaler_vector(items, self.config.block_size),
-                                                            name=f"terngrad.scalers.{key}")
+            head, blocks = scaler_vectors(items, self.config.block_size)
+            g.scaler_handle = (self.comm.max_allreduce_async(head, name=f"terngrad.scalers.{key}"),
+                               None if blocks is None else
+                               self.comm.max_allreduce_async(blocks, name=f"terngrad.block_scalers.{key}"))
             g.stage = Stage.SCALER
         elif send_when_shared:
             self.send(g)
@@ -142,7 +146,7 @@ class Pipeline:
     def progress(self, g: Group, block: bool = False) -> bool:
         """Move g on by what its finished collective allows (block: wait for it); whether it moved."""
         if g.stage is Stage.SCALER:
-            if not (block or self.comm.poll(g.scaler_handle)):
+            if not (block or self.scalers_arrived(g)):
                 return False
             self.share(g)
             if g.send_when_shared:
@@ -152,11 +156,18 @@ class Pipeline:
             return g.transport.advance(self.comm, g.handle, g.what, block)
         return False
 
+    def scalers_arrived(self, g: Group) -> bool:
+        """Whether g's scaler Max allreduces are done (share() then waits no more)."""
+        return all(h is None or self.comm.poll(h) for h in g.scaler_handle)
+
     def share(self, g: Group) -> None:
-        """Wait for g's scaler Max allreduce (at most timeout_s) and take the shared scalers."""
+        """Wait for g's scaler Max allreduces (at most timeout_s each) and take the shared scalers."""
         if g.stage is Stage.SCALER:
-            reduced = self.comm.wait(g.scaler_handle, f"the scaler Max allreduce of {g.what}")
-            apply_shared(g.items, reduced, self.config.block_size, self.coder)
+            head, blocks = g.scaler_handle
+            head = self.comm.wait(head, f"the scaler Max allreduce of {g.what}")
+            if blocks is not None:
+                blocks = self.comm.wait(blocks, f"the block scaler Max allreduce of {g.what}")
+            apply_shared(g.items, head, blocks, self.config.block_size, self.coder)
             g.scaler_handle = None
             g.stage = Stage.SHARED
 
@@ -198,30 +209,34 @@ class Pipeline:
         return self.coder.nonfinite(g.items)
 
 
-def scaler_vector(items: list[Item], block_size: int | None) -> torch.Tensor:
-    """Per tensor [s, f, t, -t] for the Max allreduce, then the block scalers (module docstring)."""
+def scaler_vectors(items: list[Item], block_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per tensor [s, f, t, -t] (fp32) for the Max allreduce, and with block scalers their 16-bit carrier
+    (fp16; module docstring)."""
     vals = []
     for it in items:
         t = float(it.tag & 0xFFFFFF)
         vals += [it.scaler, float(it.nonfinite_rank + 1), t, -t]
     head = torch.tensor(vals, dtype=torch.float32)
-    return torch.cat([head] + [it.scalers for it in items]) if block_size else head
+    return head, (block_scalers_carrier(torch.cat([it.scalers for it in items])) if block_size else None)
 
 
-def apply_shared(items: list[Item], reduced: torch.Tensor, block_size: int | None, coder: Coder) -> None:
-    """The shared scalers and non-finite ranks from the reduced scaler vector, checked."""
-    reduced = reduced.cpu()
-    blocks = sum(it.scalers.numel() for it in items) if block_size else 0
-    if reduced.numel() != 4 * len(items) + blocks:
+def apply_shared(items: list[Item], head: torch.Tensor, blocks: torch.Tensor | None, block_size: int | None,
+                 coder: Coder) -> None:
+    """The shared scalers and non-finite ranks from the reduced scaler vectors, checked."""
+    head = head.cpu()
+    nblocks = sum(it.scalers.numel() for it in items) if block_size else 0
+    got = 0 if blocks is None else blocks.numel()
+    if head.numel() != 4 * len(items) or got != nblocks:
         raise PayloadMismatchError(
-            f"hvd_terngrad: scaler vector of {reduced.numel()} values, expected {4 * len(items) + blocks} for "
-            f"{len(items)} tensors (rank {coder.rank}, first tensor {items[0].name!r}): ranks disagree on tensor "
-            f"groups or block_size")
-    vals = reduced[: 4 * len(items)].tolist()
-    off = 4 * len(items)
-    for it in items:
-        if it.scalers is not None:
-            it.scalers = reduced[off: off + it.scalers.numel()].clone()
+            f"hvd_terngrad: scaler vectors of {head.numel()} and {got} values, expected {4 * len(items)} and "
+            f"{nblocks} for {len(items)} tensors (rank {coder.rank}, first tensor {items[0].name!r}): ranks "
+            f"disagree on tensor groups or block_size")
+    vals = head.tolist()
+    if blocks is not None:
+        shared = block_scalers_from_carrier(blocks.cpu())
+        off = 0
+        for it in items:
+            it.scalers = shared[off: off + it.scalers.numel()].clone()
             off += it.scalers.numel()
     for i, it in enumerate(items):
         if vals[4 * i + 2] != -vals[4 * i + 3]:

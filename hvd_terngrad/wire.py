@@ -37,8 +37,36 @@ HEADER = struct.Struct("<2sBBIQfI")
 HEADER_V2 = struct.Struct("<2sBBIQII")  # offset 16: block_size
 HEADER_SIZE = HEADER.size  # 24, both versions
 # A coded tensor's entry in the scaler Max allreduce (share_scaler=True): [scaler, non-finite rank + 1, tag,
-# -tag] as fp32, see pipeline.scaler_vector.
+# -tag] as fp32, see pipeline.scaler_vectors.
 SCALER_ENTRY_BYTES = 16
+
+# Shared block scalers (section 12) travel at 16 bits in a Max allreduce of their own: each is rounded up to a
+# bfloat16 value (so |g| <= s still holds and the codes stay unbiased), and its 16-bit pattern travels as an fp16
+# value. Non-negative patterns below 0x7C00 (fp16 Inf) order as the fp16 values with those bits do, so the fp16
+# Max is the Max of the scalers; a positive scaler takes at least pattern 0x0400 (2^-119), an fp16-normal one,
+# so that no collective's flush-to-zero of subnormals can touch it. Block scalers must be below 2^121 (0x7C00).
+BLOCK_SCALER_BYTES = 2
+BLOCK_SCALER_LIMIT = 2.0 ** 121
+_LEAST_PATTERN = 0x0400
+
+
+def round_block_scalers(scalers: torch.Tensor) -> torch.Tensor:
+    """fp32 block scalers (>= 0, < BLOCK_SCALER_LIMIT) rounded up to bfloat16 values, positive ones to at least
+    2^-119: what shared block scalers are (fp32, each exactly a bfloat16 value)."""
+    bits = scalers.contiguous().view(torch.int32)
+    hi = (bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)
+    hi = torch.where(bits > 0, hi.clamp(min=_LEAST_PATTERN), hi)
+    return (hi << 16).view(torch.float32)
+
+
+def block_scalers_carrier(rounded: torch.Tensor) -> torch.Tensor:
+    """The fp16 values whose bits are the bfloat16 patterns of round_block_scalers' output."""
+    return (rounded.contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.float16)
+
+
+def block_scalers_from_carrier(carrier: torch.Tensor) -> torch.Tensor:
+    """The fp32 block scalers an fp16 carrier (after the Max) holds."""
+    return (carrier.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
 def codes_size(numel: int) -> int:

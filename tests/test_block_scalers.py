@@ -10,8 +10,8 @@ import torch
 
 from hvd_terngrad import TernGradConfig, codec, wire
 from hvd_terngrad.codec import cpu, reference
-from hvd_terngrad.errors import PayloadMismatchError
-from hvd_terngrad.pipeline import apply_shared, scaler_vector
+from hvd_terngrad.errors import NonFiniteGradientError, PayloadMismatchError
+from hvd_terngrad.pipeline import apply_shared, scaler_vectors
 from tests.golden.make_golden import block_case, block_record
 from tests.loopback import exchange as loopback_exchange
 from tests.loopback import pipelines
@@ -166,7 +166,51 @@ def test_ranks_with_other_block_sizes_are_a_clear_error():
     c, d = pipelines(2, [TernGradConfig(block_size=128), TernGradConfig(block_size=64)])
     ic, id_ = [c.coder.prepare("w", g[0])], [d.coder.prepare("w", g[1])]
     with pytest.raises(PayloadMismatchError, match="block_size"):
-        apply_shared(id_, scaler_vector(ic, 128), 64, d.coder)
+        apply_shared(id_, *scaler_vectors(ic, 128), 64, d.coder)
+
+
+def test_shared_block_scalers_travel_at_16_bits_rounded_up():
+    """Shared, each block scaler is the Max over ranks of the ranks' scalers rounded up to bfloat16 (so no code
+    clips what it would not have clipped), carried at 2 bytes a block; unshared, the records keep fp32."""
+    g = [torch.randn(1000) * 0.01, torch.randn(1000) * 0.02]
+    cfg = TernGradConfig(block_size=64)
+    run, items, _ = _exchange(2, g, block_size=64)
+    exact = []
+    for x in g:
+        st, absmax = codec.moments_blocks(x, 64)
+        exact.append(cfg.block_scalers(st, absmax))
+    want = wire.round_block_scalers(torch.maximum(*exact))
+    for r in range(2):
+        got = items[r][0].scalers
+        assert torch.equal(got, want) and bool((got >= torch.maximum(*exact)).all())
+        assert bool((got <= torch.maximum(*exact) * (1 + 2**-7)).all())  # bfloat16: 8 significant bits
+        assert run.pipes[r].coder.scaler_bytes(items[r][0]) == wire.SCALER_ENTRY_BYTES + 2 * 16
+    _, own, _ = _exchange(2, g, block_size=64, share_scaler=False)
+    assert torch.equal(own[0][0].scalers, exact[0])
+
+
+def test_the_16_bit_carrier_keeps_the_order_of_the_scalers():
+    """The fp16 Max over the carried patterns is the Max of the rounded scalers, across the whole range."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.rand(2, 20_000, generator=gen) * torch.exp2(torch.randint(-140, 121, (2, 20_000), generator=gen)
+                                                             .float())).clamp(max=2.0**121 * (1 - 2**-20))
+    x[:5] = 0.0
+    rx, ry = wire.round_block_scalers(x), wire.round_block_scalers(y)
+    assert bool((rx >= x).all()) and bool((rx[x > 0] >= 2.0**-119).all()) and bool((rx[:5] == 0).all())
+    m = torch.maximum(wire.block_scalers_carrier(rx), wire.block_scalers_carrier(ry))
+    assert bool(torch.isfinite(m).all())
+    assert torch.equal(wire.block_scalers_from_carrier(m), torch.maximum(rx, ry))
+
+
+def test_a_gradient_beyond_the_block_scalers_range_is_reported():
+    """A value of 2^121 or more cannot have a shared 16-bit block scaler: reported as a non-finite one is."""
+    g = [torch.randn(1000), torch.randn(1000)]
+    g[0][3] = 2.0**122
+    run, _, _ = _exchange(2, g, block_size=64)
+    for p, grp in zip(run.pipes, run.groups):
+        assert p.nonfinite(grp)[0].nonfinite_rank == 0
+    with pytest.raises(NonFiniteGradientError, match="2\\^121"):
+        run.pipes[0].coder.raise_nonfinite(run.groups[0].items)
 
 
 def test_corrupt_block_scalers_are_refused():

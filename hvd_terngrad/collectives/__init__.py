@@ -40,7 +40,7 @@ class Collectives(Protocol):
     timeout_s: float
 
     def max_allreduce_async(self, vec: torch.Tensor, name: str) -> Any:
-        """The elementwise Max of every rank's fp32 vector (a new tensor)."""
+        """The elementwise Max of every rank's fp32 or fp16 vector (a new tensor)."""
 
     def allgather_async(self, payload: torch.Tensor, name: str) -> Any:
         """Every rank's uint8 payload, concatenated in rank order."""

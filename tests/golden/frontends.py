@@ -4,7 +4,10 @@
 
 The file was written by the commit before the exchange pipeline was refactored into one code path, so that
 every later commit can show that the stock compressor and hvd_terngrad's optimizer still train to the same
-bits. Each entry is the SHA-256 of every parameter's bytes after STEPS steps, in named order.
+bits. When shared block scalers went to 16 bits (docs/wire-format.md, section 12), the cases with shared block
+scalers (blocks, blocks-summed, blocks-sharded, blocks-sharded-ternary, recommended-sharded) were rewritten;
+every other case came out unchanged. Each entry is the SHA-256 of every parameter's bytes after STEPS steps,
+in named order.
 tests/test_frontends.py holds real jobs and the in-process simulator to it.
 """
 from __future__ import annotations
