@@ -23,7 +23,7 @@ def body_exact(front, steps, options):
     import horovod.torch as hvd
 
     import hvd_terngrad
-    from hvd_terngrad import codec
+    from hvd_terngrad import codec, wire
     from hvd_terngrad.codec import reference
     from hvd_terngrad.config import TernGradConfig, tensor_id
 
@@ -66,7 +66,8 @@ def body_exact(front, steps, options):
                 k = cfg.block_size
                 s_local = cfg.block_scalers(codec.moments(g), reference.block_absmax(g, k))
                 s_all = hvd.allgather(s_local[None], name=f"check.s.{n}")
-                s_used = s_all.max(dim=0).values if cfg.share_scaler else s_local
+                # shared: the Max over ranks, rounded up to the 16 bits it travels at (wire format section 12)
+                s_used = wire.round_block_scalers(s_all.max(dim=0).values) if cfg.share_scaler else s_local
                 checks["scaler_is_max"] += cfg.share_scaler and tg.pipeline.coder.scalers_used[n] == float(s_used.max())
                 codes = reference.ternarize_pack_blocks(g, s_used, k, cfg.seed, key_step, rank, tensor_id(n))
                 all_s = hvd.allgather(reference.per_element(s_used, k, g.numel())[None].double(),
