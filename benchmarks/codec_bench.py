@@ -223,6 +223,18 @@ def fmt_size(n: int) -> str:
     return f"{n // 2**20}M" if n % 2**20 == 0 else str(n)
 
 
+def _table(header: str, make_rows, sizes: list[int], threads: list[int], line) -> list[dict]:
+    """A markdown table printed as it is measured: line(row) for every row of make_rows(n, threads), every n."""
+    print(header)
+    print("|---:" * (header.count("|") - 1) + "|")
+    rows = []
+    for n in sizes:
+        for r in make_rows(n, threads):
+            rows.append(r)
+            print(line(r), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,16M,64M")
@@ -235,36 +247,27 @@ def main(argv=None):
     print(f"hvd_terngrad codec benchmark: {platform.processor() or platform.machine()}, {allt} cores, "
           f"SIMD level {cpu_backend.simd_level()}, torch {torch.__version__}, numpy {np.__version__}")
     print("GB/s of fp32 gradient (decode: of fp32 output, average of 4 ranks); ratios are ours / baseline\n")
-    hdr = ("| n | threads | memcpy 1t | encode | stats | decode | torch-ops enc | torch-ops dec | numpy enc | "
-           "numpy dec | enc/memcpy | enc/torch-ops | dec/torch-ops |")
-    print(hdr)
-    print("|---:" * (hdr.count("|") - 1) + "|")
-    rows = []
-    for n in sizes:
-        for r in cpu_rows(n, threads):
-            rows.append(r)
-            print(f"| {fmt_size(n)} | {r['threads']} | {r['memcpy_1t']:.2f} | {r['encode']:.2f} | {r['stats']:.2f} | "
-                  f"{r['decode']:.2f} | {r['torch_ops_encode']:.3f} | {r['torch_ops_decode']:.3f} | "
-                  f"{r['numpy_encode']:.3f} | {r['numpy_decode']:.3f} | {r['encode'] / r['memcpy_1t']:.2f}x | "
-                  f"{r['encode'] / r['torch_ops_encode']:.0f}x | {r['decode'] / r['torch_ops_decode']:.0f}x |",
-                  flush=True)
+    rows = _table(("| n | threads | memcpy 1t | encode | stats | decode | torch-ops enc | torch-ops dec | numpy enc | "
+                   "numpy dec | enc/memcpy | enc/torch-ops | dec/torch-ops |"), cpu_rows, sizes, threads, lambda r: (
+        f"| {fmt_size(r['n'])} | {r['threads']} | {r['memcpy_1t']:.2f} | {r['encode']:.2f} | {r['stats']:.2f} | "
+        f"{r['decode']:.2f} | {r['torch_ops_encode']:.3f} | {r['torch_ops_decode']:.3f} | "
+        f"{r['numpy_encode']:.3f} | {r['numpy_decode']:.3f} | {r['encode'] / r['memcpy_1t']:.2f}x | "
+        f"{r['encode'] / r['torch_ops_encode']:.0f}x | {r['decode'] / r['torch_ops_decode']:.0f}x |"))
     print("\nWhat the recommended configuration adds: ms per tensor of n fp32 elements through a rank's Coder "
           "(moments, scalers, codes, residual);\n'unfused' is error feedback in torch ops around the plain kernels, "
           "as before the fused ones; EF = error feedback\n")
-    hdr = ("| n | threads | memcpy 1t | paper | block 64 | EF | EF unfused | recommended | EF/paper | "
-           "recommended/block 64 | kernel: ternarize | ternarize+EF | EF cost |")
-    print(hdr)
-    print("|---:" * (hdr.count("|") - 1) + "|")
-    fb_rows = []
-    for n in sizes:
-        for r in feedback_rows(n, threads):
-            fb_rows.append(r)
-            ms = {k: 1e3 * v for k, v in r.items() if k not in ("n", "threads")}
-            print(f"| {fmt_size(n)} | {r['threads']} | {ms['memcpy_1t']:.2f} | {ms['encode_paper']:.2f} | "
-                  f"{ms['encode_block64']:.2f} | {ms['encode_feedback']:.2f} | {ms['encode_feedback_unfused']:.1f} | "
-                  f"{ms['encode_recommended']:.2f} | {r['encode_feedback'] / r['encode_paper']:.2f}x | "
-                  f"{r['encode_recommended'] / r['encode_block64']:.2f}x | {ms['ternarize']:.2f} | "
-                  f"{ms['ternarize_feedback']:.2f} | {r['ternarize_feedback'] / r['ternarize']:.2f}x |", flush=True)
+
+    def feedback_line(r):
+        ms = {k: 1e3 * v for k, v in r.items() if k not in ("n", "threads")}
+        return (f"| {fmt_size(r['n'])} | {r['threads']} | {ms['memcpy_1t']:.2f} | {ms['encode_paper']:.2f} | "
+                f"{ms['encode_block64']:.2f} | {ms['encode_feedback']:.2f} | {ms['encode_feedback_unfused']:.1f} | "
+                f"{ms['encode_recommended']:.2f} | {r['encode_feedback'] / r['encode_paper']:.2f}x | "
+                f"{r['encode_recommended'] / r['encode_block64']:.2f}x | {ms['ternarize']:.2f} | "
+                f"{ms['ternarize_feedback']:.2f} | {r['ternarize_feedback'] / r['ternarize']:.2f}x |")
+
+    fb_rows = _table(("| n | threads | memcpy 1t | paper | block 64 | EF | EF unfused | recommended | EF/paper | "
+                      "recommended/block 64 | kernel: ternarize | ternarize+EF | EF cost |"), feedback_rows, sizes,
+                     threads, feedback_line)
     g = gpu_rows(sizes)
     if g:
         print(f"\nGPU: {g[0]['device']}")

@@ -378,3 +378,15 @@ def test_nvrtc_check_fails_on_what_only_nvcc_accepts():
     src = '#include <cstdio>\nextern "C" __global__ void k(int* x) { x[0] = 1; }\n'
     with pytest.raises(kr.CompileFailure, match="cstdio"):
         kr.Nvrtc().compile(src, "k.cu", kr.cupy_options("90", "cubin"), "cubin")
+
+
+def test_codec_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/codec_bench.py at a small size: both tables come out, error feedback's among them."""
+    from benchmarks import codec_bench
+
+    codec_bench.main(["--sizes", "8192", "--threads", "1", "--json", str(tmp_path / "bench.json")])
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert len(out["cpu"]) == 1 and out["cpu"][0]["encode"] > 0
+    fb = out["feedback_seconds"][0]
+    assert all(fb[k] > 0 for k in ("encode_paper", "encode_recommended", "ternarize", "ternarize_feedback"))
+    assert "EF cost" in capsys.readouterr().out
