@@ -274,13 +274,14 @@ void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double 
   std::vector<Partial> parts(nblocks);
   const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
-    T* sum = r ? thread_scratch<T>(kStatBlock) : nullptr;
+    const bool fused = DT == TG_F32 && avx512;  // x + r in registers; else summed into a scratch chunk
+    T* sum = r && !fused ? thread_scratch<T>(kStatBlock) : nullptr;
     for (int64_t i = b; i < e; ++i) {
       const int64_t off = i * kStatBlock, len = std::min(kStatBlock, n - off);
       const T* xs = x + off;
 #if TG_X86
       if constexpr (DT == TG_F32) {
-        if (r && avx512) {  // fused: x + r in registers
+        if (r && fused) {
           parts[i] = tg::stats_block_avx512(DT, xs, len, x0, r + off);
           if (block_max && block <= kStatBlock)
             tg::block_max_f32_avx512(xs, 0, len, len, block, block_max + off / block, r + off);
