@@ -55,7 +55,7 @@ t_start=$(date +%s)
 heartbeat() {
   local name=$1 log=$2 t0=$3 where
   while sleep "${HVD_TERNGRAD_HEARTBEAT_S:-30}"; do
-    where=$(grep -o '\[ *[0-9]*%\]' "$log" 2>/dev/null | tail -n 1)
+    where=$(grep -o '\[ *[0-9]*%\]' "$log" 2>/dev/null | tail -n 1 || true)  # set -e: no match is no error
     [ -n "$where" ] && where="build at $where" || where=$(tail -n 1 "$log" 2>/dev/null | cut -c1-100)
     echo "install: $name: $(( $(date +%s) - t0 ))s so far${where:+; $where}"
   done

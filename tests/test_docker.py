@@ -140,3 +140,23 @@ def _leftovers() -> list[str]:
 
 def test_entrypoint_is_valid_bash():
     subprocess.run(["bash", "-n", str(ROOT / "docker" / "entrypoint.sh")], check=True)
+
+
+def test_install_heartbeat_says_a_long_step_is_alive(tmp_path):
+    """scripts/install.sh's heartbeat, under the script's own `set -euo pipefail`: the time so far and where the
+    step's log is, also while the log has no build percentage yet (a grep without a match must not end it)."""
+    script = ROOT / "scripts" / "install.sh"
+    log = tmp_path / "step.log"
+    body = f"""set -euo pipefail
+source <(sed -n '/^heartbeat()/,/^}}/p' {script})
+heartbeat horovod {log} "$(date +%s)" &
+hb=$!
+{{ echo "Collecting horovod"; sleep 3; echo "[ 45%] Building CXX object x.o"; sleep 3; }} > {log}
+kill $hb
+"""
+    res = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HVD_TERNGRAD_HEARTBEAT_S": "1"})
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0, res.stderr
+    assert any(ln.startswith("install: horovod: ") and "so far; Collecting horovod" in ln for ln in lines), lines
+    assert any("so far; build at [ 45%]" in ln for ln in lines), lines
