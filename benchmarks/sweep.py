@@ -174,6 +174,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 warm-up batch, 2 iterations of 2 batches")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a run that fails is recorded (sweep.json's failures, and sweep.md) and the sweep goes on")
     ap.add_argument("--calibrate", action="store_true",
                     help="on every cluster, first measure the performance model's inputs (benchmarks/calibrate.py) "
                          "into sweep.json, for benchmarks/perf_model.py validate")
@@ -189,7 +191,7 @@ def main(argv=None):
     total = len(models) * len(comps) * len(profiles) * len(nodes)
     from tqdm import tqdm
 
-    rows, probes, cals = [], {}, []
+    rows, probes, cals, failures = [], {}, [], []
     bar = tqdm(total=total, desc="sweep", ascii=True, file=sys.stdout)
     try:
         for prof in profiles:
@@ -203,13 +205,23 @@ def main(argv=None):
                         bar.write(summary(cals[-1]))
                     for m in models:
                         for comp in comps:
-                            row = run_one(c, m, comp, args)
-                            rows.append(row)
-                            bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: {row['img_sec_total']:8.1f} img/s "
-                                      f"(+-{row['img_sec_conf'] * n:.1f}), wire {row['wire_tx_per_step']:,.0f} B/step")
+                            try:
+                                row = run_one(c, m, comp, args)
+                            except RuntimeError as exc:
+                                if not args.keep_going:
+                                    raise
+                                failures.append({"model": m, "method": comp, "profile": prof, "nodes": n,
+                                                 "error": str(exc)[-3000:]})
+                                bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: FAILED, {str(exc).splitlines()[0]}")
+                            else:
+                                rows.append(row)
+                                bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: {row['img_sec_total']:8.1f} img/s "
+                                          f"(+-{row['img_sec_conf'] * n:.1f}), wire {row['wire_tx_per_step']:,.0f} "
+                                          f"B/step")
                             bar.update(1)
                             (out / "sweep.json").write_text(json.dumps(
-                                {"probes": probes, "rows": rows, **({"calibration": cals} if cals else {})}, indent=1))
+                                {"probes": probes, "rows": rows, **({"calibration": cals} if cals else {}),
+                                 **({"failures": failures} if failures else {})}, indent=1))
     except ClusterUnavailable as exc:
         print(f"sweep: cannot emulate a cluster here: {exc}", file=sys.stderr)
         return 2
@@ -222,6 +234,10 @@ def main(argv=None):
     ctable = ceiling_table(rows)
     if ctable:
         table += "\n\nAgainst no exchange (`local`), and the CPU time of a step:\n\n" + ctable
+    if failures:
+        table += "\n\nFailed runs (--keep-going; the error's end in sweep.json):\n\n" + "\n".join(
+            f"* {f['model']} {f['profile']} N={f['nodes']} {f['method']}: {f['error'].strip().splitlines()[-1]}"
+            for f in failures)
     (out / "sweep.md").write_text(table + "\n")
     plot(rows, probes, out / "sweep.png")
     print("\n" + table)
