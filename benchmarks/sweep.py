@@ -207,7 +207,7 @@ def main(argv=None):
                         for comp in comps:
                             try:
                                 row = run_one(c, m, comp, args)
-                            except RuntimeError as exc:
+                            except (RuntimeError, TimeoutError) as exc:  # a job that failed, or ran past --timeout
                                 if not args.keep_going:
                                     raise
                                 failures.append({"model": m, "method": comp, "profile": prof, "nodes": n,
