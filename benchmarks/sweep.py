@@ -49,6 +49,24 @@ def run_one(cluster: EmulatedCluster, model: str, method: str, args) -> dict:
     return row
 
 
+def run_recorded(cluster: EmulatedCluster, model: str, method: str, args, rows: list, failures: list) -> str:
+    """run_one, its row added to rows; with --keep-going a job that failed or ran past --timeout goes to
+    failures instead of ending the sweep. The progress line."""
+    where = f"{cluster.profile.name:>11} N={cluster.nodes} {model:>9} {method:>8}"
+    try:
+        row = run_one(cluster, model, method, args)
+    except (RuntimeError, TimeoutError) as exc:
+        if not args.keep_going:
+            raise
+        reason = str(exc).splitlines()[0]
+        failures.append({"model": model, "method": method, "profile": cluster.profile.name, "nodes": cluster.nodes,
+                         "reason": reason, "error": str(exc)[-3000:]})
+        return f"{where}: FAILED, {reason}"
+    rows.append(row)
+    return (f"{where}: {row['img_sec_total']:8.1f} img/s (+-{row['img_sec_conf'] * cluster.nodes:.1f}), "
+            f"wire {row['wire_tx_per_step']:,.0f} B/step")
+
+
 def _method(r: dict) -> str:
     return parse_method(r.get("method") or r["compression"]).name
 
@@ -205,19 +223,7 @@ def main(argv=None):
                         bar.write(summary(cals[-1]))
                     for m in models:
                         for comp in comps:
-                            try:
-                                row = run_one(c, m, comp, args)
-                            except (RuntimeError, TimeoutError) as exc:  # a job that failed, or ran past --timeout
-                                if not args.keep_going:
-                                    raise
-                                failures.append({"model": m, "method": comp, "profile": prof, "nodes": n,
-                                                 "error": str(exc)[-3000:]})
-                                bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: FAILED, {str(exc).splitlines()[0]}")
-                            else:
-                                rows.append(row)
-                                bar.write(f"{prof:>11} N={n} {m:>9} {comp:>8}: {row['img_sec_total']:8.1f} img/s "
-                                          f"(+-{row['img_sec_conf'] * n:.1f}), wire {row['wire_tx_per_step']:,.0f} "
-                                          f"B/step")
+                            bar.write(run_recorded(c, m, comp, args, rows, failures))
                             bar.update(1)
                             (out / "sweep.json").write_text(json.dumps(
                                 {"probes": probes, "rows": rows, **({"calibration": cals} if cals else {}),
@@ -236,10 +242,11 @@ def main(argv=None):
         table += "\n\nAgainst no exchange (`local`), and the CPU time of a step:\n\n" + ctable
     if failures:
         table += "\n\nFailed runs (--keep-going; the error's end in sweep.json):\n\n" + "\n".join(
-            f"* {f['model']} {f['profile']} N={f['nodes']} {f['method']}: {f['error'].strip().splitlines()[-1]}"
+            f"* {f['model']} {f['profile']} N={f['nodes']} {f['method']}: {f['reason']}"
             for f in failures)
     (out / "sweep.md").write_text(table + "\n")
-    plot(rows, probes, out / "sweep.png")
+    if rows:
+        plot(rows, probes, out / "sweep.png")
     print("\n" + table)
     print(f"\nwrote {out / 'sweep.json'}, {out / 'sweep.md'}, {out / 'sweep.png'}")
     return 0

@@ -137,6 +137,20 @@ def test_nodes_are_pinned_to_cores_round_robin():
     assert {int(k.split()[1]): v.strip() for k, v in got.items()} == {i: str(cpus[i % len(cpus)]) for i in range(3)}
 
 
+def test_a_sweep_with_keep_going_records_a_job_past_its_timeout_and_goes_on(tmp_path):
+    """--keep-going: a job that runs past --timeout is a failure in sweep.json and sweep.md, and the sweep ends
+    normally (here every job does, so there is no row and no plot)."""
+    from benchmarks.sweep import main as sweep
+
+    assert sweep(["--models", "tiny", "--methods", "local,terngrad", "--profiles", "ethernet-1g", "--nodes", "2",
+                  "--quick", "--keep-going", "--timeout", "1", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "sweep.json").read_text())
+    assert out["rows"] == [] and [f["method"] for f in out["failures"]] == ["local", "terngrad"]
+    assert all("exceeded 1 s" in f["reason"] for f in out["failures"])
+    md = (tmp_path / "sweep.md").read_text()
+    assert "* tiny ethernet-1g N=2 terngrad: job on the emulated cluster exceeded 1 s" in md
+
+
 def test_a_sweep_puts_every_method_beside_the_no_exchange_ceiling(tmp_path):
     from benchmarks.sweep import main as sweep
 
