@@ -46,20 +46,12 @@ def _load():
     lib.tg_simd_level.restype = ctypes.c_int
     lib.tg_set_simd_level.argtypes = [ctypes.c_int]
     lib.tg_set_simd_level.restype = ctypes.c_int
-    lib.tg_stats.argtypes = [ctypes.c_int, vp, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
-    lib.tg_stats.restype = ctypes.c_int
-    lib.tg_ternarize_pack.argtypes = [ctypes.c_int, vp, i64, ctypes.c_float, u64, u32, u32, u32, vp, ctypes.c_int]
-    lib.tg_ternarize_pack.restype = ctypes.c_int
     lib.tg_decode_sum.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_float), ctypes.c_int,
                                   i64, vp, ctypes.c_int]
     lib.tg_decode_sum.restype = ctypes.c_int
-    lib.tg_ternarize_pack_blocks.argtypes = [ctypes.c_int, vp, i64, vp, i64, u64, u32, u32, u32, vp, ctypes.c_int]
-    lib.tg_ternarize_pack_blocks.restype = ctypes.c_int
     lib.tg_decode_sum_blocks.argtypes = [ctypes.c_int, ctypes.POINTER(vp), vp, ctypes.c_int, i64, i64, vp,
                                          ctypes.c_int]
     lib.tg_decode_sum_blocks.restype = ctypes.c_int
-    lib.tg_stats_blocks.argtypes = [ctypes.c_int, vp, i64, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double), vp]
-    lib.tg_stats_blocks.restype = ctypes.c_int
     lib.tg_block_absmax.argtypes = [ctypes.c_int, vp, i64, i64, vp, ctypes.c_int]
     lib.tg_block_absmax.restype = ctypes.c_int
     lib.tg_ternarize_pack_feedback.argtypes = [ctypes.c_int, vp, vp, i64, vp, i64, u64, u32, u32, u32, vp, vp,
