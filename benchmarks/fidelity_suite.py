@@ -269,6 +269,18 @@ class Data:
 
 
 # ---------------------------------------------------------------------------------------------- one run
+def plan(task: Task, n_train: int, workers: int) -> tuple[int, int]:
+    """(steps per epoch, steps in all) of the recipe at `workers` workers: each worker's batch is fixed."""
+    per_epoch = max(1, n_train // (task.batch * workers))
+    return per_epoch, max(per_epoch * task.epochs, task.min_steps)
+
+
+def schedule(opt, task: Task, total: int):
+    """The recipe's learning rate: a linear warm-up over task.warmup of the steps, then poly-0.5 decay."""
+    warm = max(1, round(task.warmup * total))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warm) * max(0.0, 1 - t / total) ** .5)
+
+
 def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | None = None) -> dict:
     """One simulated run; its curve (test metric after each epoch) and final metric."""
     task = data.task
@@ -283,11 +295,9 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     params = [p for p in model.parameters() if p.requires_grad]
     sim = SimulatedWorkers(model.named_parameters(), cfg, workers) if cfg else None
     opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
-    per_epoch = max(1, data.n_train // (task.batch * workers))
-    total = max(per_epoch * task.epochs, task.min_steps)
+    per_epoch, total = plan(task, data.n_train, workers)
     total = total if steps_cap is None else min(steps_cap, total)
-    warm = max(1, round(task.warmup * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warm) * max(0.0, 1 - t / total) ** .5)
+    sched = schedule(opt, task, total)
     g = torch.Generator().manual_seed(10_000 + seed)
     curve, t0 = [], time.perf_counter()
     run = {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,

@@ -30,12 +30,12 @@ def bytes_per_step(model, method: Method, tg) -> float:
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if method.compression == "local":
         return 0.0
-    if method.compression == "powersgd":  # rank 1: P and Q of each matrix (rows + columns), vectors as they are
-        return sum(4 * (p.shape[0] + p.numel() // p.shape[0]) if p.dim() > 1 else p.numel() * p.element_size()
-                   for p in model.parameters())
+    if method.compression == "powersgd":  # rank r: P and Q of each matrix (r (rows + columns)), vectors as they are
+        return sum(4 * method.rank * (p.shape[0] + p.numel() // p.shape[0]) if p.dim() > 1
+                   else p.numel() * p.element_size() for p in model.parameters())
     if method.compression == "fp32":
         return dense
-    if method.compression == "fp16":
+    if method.compression in ("fp16", "bf16"):
         return dense / 2
     return tg.stats.last.bytes_sent
 

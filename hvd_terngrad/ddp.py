@@ -19,6 +19,12 @@ them, and completes the future. One thread issues every collective: torch.distri
 the order in which each rank issues them, so two threads issuing them could pair different collectives across
 ranks. DDP waits for every future at the end of backward. As DDP expects of a hook, the future's value is the
 bucket's average (DDP does not divide by the world size).
+
+Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
+completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
+pair up differently across ranks. On gloo that aborts the job ("Received data size doesn't match expected
+size") or hangs it; torch's powerSGD_hook does exactly this on an emulated 1 Gbit/s cluster. `InLaunchOrder`
+runs any DDP hook the safe way, and the benchmarks run PowerSGD through it.
 """
 import queue
 import threading
@@ -41,7 +47,7 @@ class TernGradState:
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "names", "pipeline", "_work", "_worker")
+    __slots__ = ("config", "process_group", "names", "pipeline", "_order")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None, **options):
         if config is not None and options:
@@ -55,16 +61,13 @@ class TernGradState:
         self.process_group = process_group
         self.names = {p: n for n, p in named_parameters}  # parameter -> its name
         self.pipeline: Optional[Pipeline] = None  # made on the first bucket: the process group is up by then
-        self._work: queue.Queue = queue.Queue()  # buckets for the worker thread, in launch order
-        self._worker: Optional[threading.Thread] = None
+        self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
 
     def connect(self) -> Pipeline:
-        """This rank's pipeline over the process group (once), and the worker thread."""
+        """This rank's pipeline over the process group (once)."""
         if self.pipeline is None:
             comm = TorchCollectives(self.process_group, timeout_s=self.config.timeout_s)
             self.pipeline = Pipeline(self.config, comm)
-            self._worker = threading.Thread(target=self._run, name="hvd_terngrad-ddp", daemon=True)
-            self._worker.start()
         return self.pipeline
 
     @property
@@ -88,17 +91,6 @@ class TernGradState:
                                  "named_parameters given to TernGradState (pass the DDP module's)")
             (coded if self.config.compresses(name, p.numel()) else floats).append((name, grad))
         return coded, floats
-
-    def _run(self) -> None:
-        while True:
-            job = self._work.get()
-            try:
-                job.fut.set_result(self._finish(job))
-            except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
-                job.fut.set_exception(exc)
-            # hold nothing while waiting for the next bucket: a finished job's collectives keep their process
-            # group alive, and one destroyed at interpreter exit, after the group was, aborts the process
-            del job
 
     def _finish(self, job: "_Job") -> torch.Tensor:
         pipe, comm = self.pipeline, self.pipeline.comm
@@ -134,13 +126,12 @@ class TernGradState:
 
 
 class _Job:
-    __slots__ = ("index", "last", "buffer", "coded", "floats", "group", "fut")
+    __slots__ = ("index", "last", "buffer", "coded", "floats", "group")
 
     def __init__(self, bucket, coded, floats):
         self.index, self.last, self.buffer = bucket.index(), bucket.is_last(), bucket.buffer()
         self.coded, self.floats = coded, floats
         self.group: Optional[Group] = None  # in the pipeline, once the worker started it
-        self.fut: torch.futures.Future = torch.futures.Future()
 
 
 def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -149,5 +140,58 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     goes on, and completes the returned future."""
     state.connect()
     job = _Job(bucket, *state._split(bucket))
-    state._work.put(job)
-    return job.fut
+    return state._order.submit(lambda: state._finish(job))
+
+
+class _Serial:
+    """One worker thread that runs DDP buckets' exchanges one after another, in the order DDP launched them,
+    so that every rank issues the same collectives in the same order. submit(run) returns a future of run()'s
+    tensor; where run() returns a future (another hook's), the worker waits for it before the next bucket."""
+
+    __slots__ = ("name", "_queue", "_thread")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.Queue = queue.Queue()  # (run, future), in launch order
+        self._thread: Optional[threading.Thread] = None  # started on the first bucket
+
+    def submit(self, run) -> torch.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        fut = torch.futures.Future()
+        self._queue.put((run, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            run, fut = self._queue.get()
+            out = None
+            try:
+                out = run()
+                fut.set_result(out.wait() if isinstance(out, torch._C.Future) else out)
+            except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
+                fut.set_exception(exc)
+            # hold nothing while waiting for the next bucket: a finished bucket's collectives keep their process
+            # group alive, and one destroyed at interpreter exit, after the group was, aborts the process
+            del run, fut, out
+
+
+class InLaunchOrder:
+    """Another DDP hook, run bucket after bucket in DDP's launch order (see the module's docstring): each
+    bucket's hook starts once the previous bucket's future has completed, on one worker thread, while backward
+    goes on. The cost: one bucket's collectives at a time.
+
+        ddp.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, PowerSGDState(None)), in_launch_order)
+    """
+
+    __slots__ = ("hook", "state", "_order")
+
+    def __init__(self, hook, state):
+        self.hook, self.state = hook, state  # the wrapped hook and its own state
+        self._order = _Serial("hvd_terngrad-ddp-order")
+
+
+def in_launch_order(wrapped: InLaunchOrder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: `wrapped.hook(wrapped.state, bucket)`, in launch order (InLaunchOrder)."""
+    return wrapped._order.submit(lambda: wrapped.hook(wrapped.state, bucket))

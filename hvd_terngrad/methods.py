@@ -13,9 +13,12 @@ optimizer it builds.
         noclip, noshare, ef                     clip=0, share_scaler=False, error_feedback=True
         hier                                    hierarchical=True (float inside nodes, codes between them)
         block<k>                                block_size=k, e.g. block256 (one scaler per k elements)
-    ddp:fp32, ddp:fp16, ddp:powersgd         PyTorch DDP (torch.distributed, no Horovod in the exchange): its
-                                             default allreduce, fp16_compress_hook, powerSGD_hook (rank 1, the
-                                             hook's warm-up of 1000 iterations cut to 2)
+    ddp:fp32, ddp:fp16, ddp:bf16             PyTorch DDP (torch.distributed, no Horovod in the exchange): its
+    ddp:powersgd, ddp:powersgd<r>            default allreduce, fp16_compress_hook, bf16_compress_hook,
+                                             powerSGD_hook (rank r, default 1; the hook's warm-up of 1000
+                                             iterations cut to 2), run bucket after bucket in launch order
+                                             (hvd_terngrad.ddp.InLaunchOrder: its chained callbacks
+                                             abort gloo jobs otherwise)
     ddp:terngrad[:<modifier>...]             DDP with hvd_terngrad.ddp.terngrad_hook (no stock, no hier)
 
 `parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
@@ -29,7 +32,7 @@ from hvd_terngrad.codec import check_block_size
 from hvd_terngrad.config import TRANSPORTS
 
 COMPRESSIONS = ("local", "fp32", "fp16", "terngrad")
-DDP_COMPRESSIONS = ("fp32", "fp16", "powersgd", "terngrad")
+DDP_COMPRESSIONS = ("fp32", "fp16", "bf16", "powersgd", "terngrad")
 OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True),
            "hier": ("hierarchical", True)}
 
@@ -42,10 +45,13 @@ class Method:
     options: tuple[str, ...] = ()  # keys of OPTIONS, in their order
     block_size: int | None = None
     ddp: bool = False  # the exchange of PyTorch DDP (torch.distributed), not Horovod's
+    rank: int = 1  # PowerSGD's matrix approximation rank
 
     @property
     def name(self) -> str:
         prefix = "ddp:" if self.ddp else ""
+        if self.compression == "powersgd" and self.rank != 1:
+            return f"{prefix}powersgd{self.rank}"
         if self.compression != "terngrad":
             return prefix + self.compression
         mods = ([self.transport] if self.transport != "allgather" else []) + (["stock"] if self.stock else [])
@@ -91,6 +97,10 @@ def parse_method(text: str) -> Method:
 
 def _parse_ddp(rest: str, text: str) -> Method:
     base = rest.split(":")[0]
+    if base.startswith("powersgd") and base[8:].isdigit() and int(base[8:]) > 0:
+        if rest != base:
+            raise ValueError(f"method {text!r}: only ddp:terngrad takes modifiers")
+        return Method("powersgd", ddp=True, rank=int(base[8:]))
     if base not in DDP_COMPRESSIONS:
         raise ValueError(f"method {text!r}: ddp: takes one of {', '.join(DDP_COMPRESSIONS)}")
     if base != "terngrad":
@@ -103,30 +113,45 @@ def _parse_ddp(rest: str, text: str) -> Method:
     return Method("terngrad", m.transport, False, m.options, m.block_size, ddp=True)
 
 
-def build_ddp(method: Method, model, base_lr: float, seed: int = 0):
+def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: float = 0.0, exclude=(),
+              powersgd_start: int = 2):
     """(DDP module, SGD optimizer over it, the TernGrad hook's state or None) for a ddp: method; torch.distributed
-    must be initialized."""
+    must be initialized. exclude: TernGrad's (parameter-name patterns left in float); powersgd_start: the
+    iteration at which PowerSGD starts compressing (plain allreduce before)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from hvd_terngrad.ddp import InLaunchOrder, in_launch_order
 
     module = torch.nn.parallel.DistributedDataParallel(model)
     state = None
     if method.compression == "fp16":
         module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.compression == "bf16":
+        module.register_comm_hook(None, bf16_hook)
     elif method.compression == "powersgd":
-        psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                           random_seed=seed)
-        module.register_comm_hook(psgd, powerSGD_hook.powerSGD_hook)
+        psgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=method.rank,
+                                           start_powerSGD_iter=powersgd_start, random_seed=seed)
+        module.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, psgd), in_launch_order)
     elif method.compression == "terngrad":
         from hvd_terngrad.ddp import TernGradState, terngrad_hook
 
-        state = TernGradState(model.named_parameters(), seed=seed, **method.terngrad_options())
+        state = TernGradState(model.named_parameters(), seed=seed, exclude=exclude, **method.terngrad_options())
         module.register_comm_hook(state, terngrad_hook)
-    return module, torch.optim.SGD(module.parameters(), lr=base_lr), state
+    return module, torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum), state
 
 
-def build_optimizer(method: Method, model, base, seed: int = 0):
-    """(Horovod optimizer wrapping `base`, the TernGrad compressor or None) for `method`."""
+def bf16_hook(process_group, bucket):
+    """torch's bf16_compress_hook under another name: DDP refuses that name unless NCCL is there, though gloo
+    sums bf16 as well."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def build_optimizer(method: Method, model, base, seed: int = 0, exclude=()):
+    """(Horovod optimizer wrapping `base`, the TernGrad compressor or None) for `method`; exclude: TernGrad's
+    (parameter-name patterns left in float)."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -139,9 +164,9 @@ def build_optimizer(method: Method, model, base, seed: int = 0):
     if method.compression == "fp16":
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=hvd.Compression.fp16), None
     if method.stock:
-        tg = hvd_terngrad.TernGrad(named, seed=seed, **method.terngrad_options())
+        tg = hvd_terngrad.TernGrad(named, seed=seed, exclude=exclude, **method.terngrad_options())
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
-    tg = hvd_terngrad.TernGrad(seed=seed, **method.terngrad_options())
+    tg = hvd_terngrad.TernGrad(seed=seed, exclude=exclude, **method.terngrad_options())
     return hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
 
 

@@ -29,6 +29,7 @@ def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options
 
 @pytest.mark.parametrize("text", ["fp8", "fp32:summed", "local:sharded", "terngrad:bogus", "ddp:local", "ddp:fp32:ef",
                                   "ddp:terngrad:stock", "ddp:terngrad:hier",
+                                  "ddp:powersgd0", "ddp:powersgd4:ef", "ddp:powersgdx",
                                   "terngrad:summed:summed-int8", "terngrad:ef:ef", "terngrad:block100",
                                   "terngrad:block64:block128"])
 def test_bad_method_names_say_what_is_allowed(text):
@@ -41,7 +42,9 @@ def test_the_method_optimizer_follows_the_stock_modifier():
     assert parse_method("local").optimizer == "none" and parse_method("local").name == "local"
     assert parse_method("terngrad:stock").optimizer == "stock" and parse_method("fp16").optimizer == "stock"
     assert all(parse_method(m).optimizer == "ddp" and parse_method(m).name == m
-               for m in ("ddp:fp32", "ddp:fp16", "ddp:powersgd", "ddp:terngrad", "ddp:terngrad:sharded"))
+               for m in ("ddp:fp32", "ddp:fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "ddp:terngrad",
+                         "ddp:terngrad:sharded"))
+    assert parse_method("ddp:powersgd4").rank == 4 and parse_method("ddp:powersgd1") == parse_method("ddp:powersgd")
 
 
 def test_every_transport_states_its_cost_and_auto_picks_the_cheapest_allowed():
