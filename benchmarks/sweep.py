@@ -96,26 +96,32 @@ def transport_table(rows: list[dict]) -> str:
 
 
 def speedup_table(rows: list[dict]) -> str:
-    """Every TernGrad method against FP32 and fp16 at the same point, with its step's phases."""
+    """Every TernGrad method against FP32 and fp16 of its own front end (Horovod's, or DDP's for ddp: methods)
+    at the same point, with its step's phases; a blank where that baseline did not run."""
     idx = _index(rows)
     lines = ["| model | profile | nodes | method | FP32 img/s | fp16 img/s | TernGrad img/s | TernGrad/FP32 | "
              "TernGrad/fp16 | TernGrad step: encode / comm / decode / rest (ms) | "
              "wire bytes/step/node: FP32 / TernGrad |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+
+    def fmt(value, spec, suffix=""):
+        return "" if value is None else f"{value:{spec}}{suffix}"
+
     for (model, prof, n, m), t in sorted(idx.items()):
         if t["compression"] != "terngrad":
             continue
-        f32, f16 = idx.get((model, prof, n, "fp32")), idx.get((model, prof, n, "fp16"))
+        front = "ddp:" if m.startswith("ddp:") else ""
+        f32, f16 = idx.get((model, prof, n, front + "fp32")), idx.get((model, prof, n, front + "fp16"))
+        v32, v16 = (b["img_sec_total"] if b else None for b in (f32, f16))
+        mine = t["img_sec_total"]
         step = t["step_seconds"] * 1e3
         enc, com, dec = (t.get(k, 0.0) * 1e3 for k in ("time_encode", "time_comm", "time_decode"))
         rest = step - enc - com - dec
         lines.append(
-            f"| {model} | {prof} | {n} | {m} | {f32['img_sec_total'] if f32 else 0:.0f} | "
-            f"{f16['img_sec_total'] if f16 else 0:.0f} | {t['img_sec_total']:.0f} | "
-            f"{t['img_sec_total'] / f32['img_sec_total'] if f32 else 0:.2f}x | "
-            f"{t['img_sec_total'] / f16['img_sec_total'] if f16 else 0:.2f}x | "
+            f"| {model} | {prof} | {n} | {m} | {fmt(v32, '.0f')} | {fmt(v16, '.0f')} | {mine:.0f} | "
+            f"{fmt(v32 and mine / v32, '.2f', 'x')} | {fmt(v16 and mine / v16, '.2f', 'x')} | "
             f"{enc:.1f} / {com:.1f} / {dec:.1f} / {rest:.1f} | "
-            f"{f32['wire_tx_per_step'] if f32 else 0:,.0f} / {t['wire_tx_per_step']:,.0f} |")
+            f"{fmt(f32 and f32['wire_tx_per_step'], ',.0f')} / {t['wire_tx_per_step']:,.0f} |")
     return "\n".join(lines)
 
 

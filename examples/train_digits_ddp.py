@@ -3,11 +3,12 @@
     torchrun --nproc_per_node 2 -m examples.train_digits_ddp          # make train-ddp
     torchrun --nproc_per_node 2 -m examples.train_digits_ddp --methods fp32,bf16,terngrad --epochs 6
 
-Methods: fp32 (DDP's default allreduce), fp16 and bf16 (DDP's built-in compress hooks; torch's bf16 hook needs
-NCCL, so a GPU), powersgd (DDP's
-PowerSGD hook, rank 1, no warm-up on this small model), terngrad (hvd_terngrad.ddp.terngrad_hook, the paper's
-defaults) and terngrad-recommended (TernGradConfig.recommended()). Every worker trains on its shard; rank 0
-prints each epoch's test accuracy and, at the end, a table and whether every worker holds the same parameters.
+Methods: fp32 (DDP's default allreduce), fp16 and bf16 (DDP's built-in compress hooks; bf16 through
+hvd_terngrad.ddp.bf16_hook, which DDP also takes on gloo), powersgd (DDP's PowerSGD hook, rank 1, 2 steps of
+warm-up, through hvd_terngrad.ddp.InLaunchOrder: chained as it is, it can abort a gloo job), terngrad
+(hvd_terngrad.ddp.terngrad_hook, the paper's defaults) and terngrad-recommended (TernGradConfig.recommended()).
+Every worker trains on its shard; rank 0 prints each epoch's test accuracy and, at the end, a table and whether
+every worker holds the same parameters.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from examples.digits import DigitsCNN, accuracy, load_data
 from hvd_terngrad import TernGradConfig
-from hvd_terngrad.ddp import TernGradState, terngrad_hook
+from hvd_terngrad.ddp import InLaunchOrder, TernGradState, bf16_hook, in_launch_order, terngrad_hook
 
 METHODS = ("fp32", "fp16", "bf16", "powersgd", "terngrad", "terngrad-recommended")
 
@@ -35,11 +36,11 @@ def wrap(method: str, model: torch.nn.Module, seed: int):
     if method == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        ddp.register_comm_hook(None, bf16_hook)
     elif method == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=2, random_seed=seed)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, state), in_launch_order)
     elif method.startswith("terngrad"):
         cfg = TernGradConfig.recommended(seed=seed) if method == "terngrad-recommended" else TernGradConfig(seed=seed)
         state = TernGradState(model.named_parameters(), config=cfg)

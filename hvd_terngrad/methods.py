@@ -121,7 +121,7 @@ def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: fl
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from hvd_terngrad.ddp import InLaunchOrder, in_launch_order
+    from hvd_terngrad.ddp import InLaunchOrder, bf16_hook, in_launch_order
 
     module = torch.nn.parallel.DistributedDataParallel(model)
     state = None
@@ -139,14 +139,6 @@ def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: fl
         state = TernGradState(model.named_parameters(), seed=seed, exclude=exclude, **method.terngrad_options())
         module.register_comm_hook(state, terngrad_hook)
     return module, torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum), state
-
-
-def bf16_hook(process_group, bucket):
-    """torch's bf16_compress_hook under another name: DDP refuses that name unless NCCL is there, though gloo
-    sums bf16 as well."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
 def build_optimizer(method: Method, model, base, seed: int = 0, exclude=()):

@@ -67,23 +67,52 @@ def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
         assert ddp == ref, name
 
 
-def test_the_ddp_job_runs_where_horovod_is_not_installed(tmp_path):
-    """`import hvd_terngrad.ddp` and a 2-rank torchrun training, with any `import horovod` failing."""
+# what torch, the digits data and a build of this package need, linked into the fresh venv: nothing downloads
+_FRESH_DEPS = ("torch", "torchgen", "functorch", "numpy", "numpy.libs", "filelock", "typing_extensions.py", "sympy",
+               "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "sklearn", "scikit_learn.libs", "scipy",
+               "scipy.libs", "joblib", "threadpoolctl.py", "setuptools", "_distutils_hack", "wheel")
+
+
+@pytest.mark.slow
+def test_pip_install_and_a_torchrun_training_in_a_fresh_venv_without_horovod(tmp_path):
+    """`pip install .` into a new venv that has torch and no Horovod (nor MPI's Python), then
+    `import hvd_terngrad.ddp` and a 2-rank torchrun training of the installed package, from outside the tree."""
+    import shutil
     import subprocess
     import sys
+    import sysconfig
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    (tmp_path / "horovod").mkdir()
-    (tmp_path / "horovod" / "__init__.py").write_text("raise ImportError('horovod is not installed here')\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
-    check = subprocess.run([sys.executable, "-c", "import sys, hvd_terngrad, hvd_terngrad.ddp; "
-                            "print('horovod' in sys.modules and sys.modules['horovod'] is not None)"],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and check.stdout.strip() == "False", check.stderr
-    res = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
-                          "-m", "examples.train_digits_ddp", "--epochs", "2"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=180)
+    site = Path(sysconfig.get_paths()["purelib"])
+    venv, deps = tmp_path / "venv", tmp_path / "deps"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    deps.mkdir()
+    for name in _FRESH_DEPS:
+        (deps / name).symlink_to(site / name)
+    py = venv / "bin" / "python"
+    vsite = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                capture_output=True, text=True, check=True).stdout.strip())
+    (vsite / "linked_deps.pth").write_text(f"{deps}\n")
+    (vsite / "pip").symlink_to(site / "pip")
+    src = tmp_path / "src"  # a copy, so that the build writes nothing into the tree
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", "*.so",
+                                                                "__pycache__", "*.egg-info"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    inst = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", str(src)], env=env, capture_output=True, text=True, timeout=600)
+    assert inst.returncode == 0, inst.stdout[-2000:] + inst.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    shutil.copytree(root / "examples", run_dir / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    check = subprocess.run([str(py), "-c", "import importlib.util as u, hvd_terngrad, hvd_terngrad.ddp; "
+                            "print(u.find_spec('horovod') is None, hvd_terngrad.__file__)"],
+                           cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
+    absent, where = check.stdout.split()
+    assert absent == "True" and str(vsite) in where  # no Horovod at all; the installed package, not the tree
+    res = subprocess.run([str(py), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "examples.train_digits_ddp", "--epochs", "2"], cwd=run_dir, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "terngrad: parameters agree across 2 workers" in res.stdout and "| terngrad | 2 |" in res.stdout
 
