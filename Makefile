@@ -1,5 +1,6 @@
 # hvd_terngrad: the two commands of the README, and a few helpers.
-#   make train   install what is missing, then the 2-worker digits training (FP32, then TernGrad)
+#   make train   install what is missing, then the 2-worker digits training (FP32, then TernGrad), on an
+#                emulated 1 Gbit/s link where the machine allows it
 #   make test    install what is missing, then lint and the full test suite
 #   make docker  build the CPU image and run a 2-container job in it (docker/build.sh --cluster)
 #   make train-ddp  the digits training on PyTorch DDP (torchrun), FP32 and then TernGrad's hook
@@ -15,10 +16,20 @@ NP ?= 2
 install:
 	@bash scripts/install.sh
 
-# rank 0's report without horovodrun's tags; every rank's output in build/train-logs/
+# rank 0's report without horovodrun's tags; every rank's output in build/train-logs/. Where this machine can
+# emulate a cluster (root, network namespaces: benchmarks/cluster.py), each worker is a node on a LINK link
+# (default 1 Gbit/s Ethernet), so the times show what the link costs; LINK=local, or a machine without
+# namespaces, runs the workers on localhost, where the link is free.
+LINK ?= ethernet-1g
 train: install
-	@set -o pipefail; timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits 2>&1 \
-		| $(PY) scripts/rank0_report.py build/train-logs
+	@set -o pipefail; if [ "$(LINK)" != local ] && $(PY) -m benchmarks.cluster check 2>/dev/null; then \
+		timeout 900 $(PY) -m benchmarks.cluster run --stream --tag-output --timeout 840 --nodes $(NP) \
+			--profile $(LINK) -- $(PY) -m examples.train_digits 2>&1 | $(PY) scripts/rank0_report.py build/train-logs; \
+	else \
+		echo "$(NP) workers on localhost, where the link is free (no emulated link: it needs root and network namespaces)"; \
+		timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits 2>&1 \
+			| $(PY) scripts/rank0_report.py build/train-logs; \
+	fi
 
 # the same job on PyTorch DDP with TernGrad's communication hook: torchrun, no Horovod
 train-ddp: install

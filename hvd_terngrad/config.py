@@ -35,7 +35,13 @@ class TernGradConfig:
     error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
     owner_error_feedback: transport="sharded-ternary" only: each shard owner keeps the error of its second
         draw and adds it to its next average of that shard (dropped when the shard's layout changes, as with
-        another world size).
+        another world size). None (the default) follows error_feedback: with it on, every lossy draw is
+        compensated; recommended() with sharded-ternary diverged on NCF without it (docs/transports.md).
+    owner_clip: transport="sharded-ternary" only: c of each shard owner's scaler, min(c * std, max|a|) over
+        its shard's averages a; 0 turns it off (max|a|: an unbiased second draw). Apart from clip because
+        the owner's draw differs: one scaler for a whole shard of several tensors, and no error feedback by
+        default. With clip=0 and error feedback on the workers, unclipped owners made LeNet-5 diverge at 4
+        workers (docs/transports.md, sharded-ternary with recommended()).
     backend: codec backend, one of "auto", "cpu", "cuda", "reference".
     transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
         an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
@@ -63,7 +69,8 @@ class TernGradConfig:
     exclude: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
     error_feedback: bool = False
-    owner_error_feedback: bool = False
+    owner_error_feedback: bool | None = None
+    owner_clip: float = 2.5
     backend: str = "auto"
     transport: str = "allgather"
     on_nonfinite: str = "raise"
@@ -74,12 +81,17 @@ class TernGradConfig:
     block_size: int | None = None
 
     def __post_init__(self):
+        if self.owner_error_feedback is None:
+            object.__setattr__(self, "owner_error_feedback",
+                               bool(self.error_feedback) and self.transport == "sharded-ternary")
         if isinstance(self.exclude, str):
             object.__setattr__(self, "exclude", (self.exclude,))
         else:
             object.__setattr__(self, "exclude", tuple(self.exclude))
-        if not isinstance(self.clip, (int, float)) or not np.isfinite(self.clip) or self.clip < 0:
-            raise ValueError(f"clip must be a finite number >= 0 (0 turns clipping off), got {self.clip!r}")
+        for name in ("clip", "owner_clip"):
+            c = getattr(self, name)
+            if not isinstance(c, (int, float)) or isinstance(c, bool) or not np.isfinite(c) or c < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (0 turns clipping off), got {c!r}")
         if self.block_size is not None:
             check_block_size(self.block_size)
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -146,10 +158,11 @@ class TernGradConfig:
         max|g| the smaller max|g| codes the same tensor with less variance. A constant tensor (std 0)
         uses max|g|, which codes it exactly.
         """
-        s = st.absmax
-        if self.clip > 0 and st.std > 0:
-            s = min(self.clip * st.std, st.absmax)
-        return float(np.float32(s))
+        return _clipped(st, self.clip)
+
+    def owner_scaler(self, st: Moments) -> float:
+        """A sharded-ternary owner's scaler for its shard's averages: scaler()'s rule with c = owner_clip."""
+        return _clipped(st, self.owner_clip)
 
     def block_scalers(self, st: Moments, absmax: torch.Tensor) -> torch.Tensor:
         """Per block, the scaler rule of scaler() with the block's max|g| (absmax: fp64 per block) and the
@@ -160,6 +173,14 @@ class TernGradConfig:
         if self.clip > 0 and st.std > 0:
             s = s.clamp(max=self.clip * st.std)
         return s.float()
+
+
+def _clipped(st: Moments, c: float) -> float:
+    """min(c * std, max|g|), or max|g| where c is 0 or std is 0, rounded to fp32."""
+    s = st.absmax
+    if c > 0 and st.std > 0:
+        s = min(c * st.std, st.absmax)
+    return float(np.float32(s))
 
 
 def _positive(x) -> bool:

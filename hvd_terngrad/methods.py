@@ -32,6 +32,15 @@ from hvd_terngrad.codec import check_block_size
 from hvd_terngrad.config import TRANSPORTS
 
 COMPRESSIONS = ("local", "fp32", "fp16", "terngrad")
+# PowerSGD allreduces plainly over this share of a training's steps first, as torch's documentation advises
+# for start_powerSGD_iter (the time-to-accuracy benchmark and the fidelity suite)
+POWERSGD_WARMUP = 0.1
+
+
+def powersgd_start(total_steps: int) -> int:
+    """start_powerSGD_iter for a training of `total_steps` steps (the hook needs at least 2)."""
+    return max(2, round(POWERSGD_WARMUP * total_steps))
+
 DDP_COMPRESSIONS = ("fp32", "fp16", "bf16", "powersgd", "terngrad")
 OPTIONS = {"noclip": ("clip", 0.0), "noshare": ("share_scaler", False), "ef": ("error_feedback", True),
            "hier": ("hierarchical", True)}

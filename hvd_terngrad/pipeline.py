@@ -36,7 +36,7 @@ STATE_VERSION = 1  # of state_dict()
 def coding_options(config: TernGradConfig) -> dict:
     """The options that change what is coded or what a residual means (not how fast, nor how long to wait)."""
     keep = ("clip", "share_scaler", "min_numel", "exclude", "seed", "error_feedback", "owner_error_feedback",
-            "transport", "hierarchical", "block_size")
+            "owner_clip", "transport", "hierarchical", "block_size")
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
             ((k, getattr(config, k)) for k in keep)}
 
@@ -111,10 +111,12 @@ class Pipeline:
             raise ValueError(f"hvd_terngrad: a TernGrad state of version {state.get('version')!r}; this version "
                              f"reads {STATE_VERSION}")
         mine = coding_options(self.config)
-        differ = sorted(k for k in mine.keys() | state["options"].keys() if mine.get(k) != state["options"].get(k))
+        # a state saved before owner_clip existed: its owners clipped at clip
+        saved = {"owner_clip": state["options"].get("clip"), **state["options"]}
+        differ = sorted(k for k in mine.keys() | saved.keys() if mine.get(k) != saved.get(k))
         if differ:
             raise ValueError("hvd_terngrad: the TernGrad state was saved with other options ("
-                             + ", ".join(f"{k}={state['options'].get(k)!r}, now {mine.get(k)!r}" for k in differ)
+                             + ", ".join(f"{k}={saved.get(k)!r}, now {mine.get(k)!r}" for k in differ)
                              + f"), on rank {self.rank}: load it with the same options, or start without it")
         self.coder.step = state["step"]
         self.coder.stats.current.step = state["step"]

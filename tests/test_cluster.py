@@ -167,3 +167,22 @@ def test_a_sweep_puts_every_method_beside_the_no_exchange_ceiling(tmp_path):
     table = (tmp_path / "sweep.md").read_text()
     share = tern["img_sec_total"] / local["img_sec_total"]
     assert f"| tiny | ethernet-1g | 2 | terngrad | {tern['img_sec_total']:.0f} | {share:.0%} of " in table
+
+
+def test_make_trains_main_job_streams_rank_0s_report_from_the_emulated_link(tmp_path):
+    """make train's cluster path: the job's lines come as they are printed, tagged as horovodrun tags them, so
+    rank0_report shows rank 0's report; the table gives each method's time to FP32's accuracy."""
+    job = subprocess.Popen(
+        f"set -o pipefail; {sys.executable} -m benchmarks.cluster run --stream --tag-output --timeout 240 --nodes 2 "
+        f"-- {sys.executable} -m examples.train_digits --epochs 2 --json {tmp_path / 'res.json'} 2>&1 "
+        f"| {sys.executable} scripts/rank0_report.py {tmp_path / 'logs'}",
+        shell=True, executable="/bin/bash", cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    first = job.stdout.readline()  # the cluster's line comes before the job ends
+    assert first.startswith("cluster: 2 nodes, ethernet-1g") and job.poll() is None
+    out = first + job.stdout.read()
+    assert job.wait(timeout=300) == 0, out[-3000:]
+    assert "time to FP32's accuracy" in out and "[1,0]<stdout>" not in out and "| terngrad | 2 |" in out
+    assert "terngrad: parameters agree across 2 workers" in out
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert [h["seconds"] for h in res[0]["history"]] == sorted(h["seconds"] for h in res[0]["history"])
+    assert (tmp_path / "logs" / "rank1.log").exists()

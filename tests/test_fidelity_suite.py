@@ -44,3 +44,74 @@ def test_set_changes_a_recipe_and_records_it(tmp_path, monkeypatch):
     for bad in ("digits.nope=1", "mnist.lr=1", "digits.lr"):
         with pytest.raises(SystemExit):
             fidelity_suite.main(["--smoke", "--set", bad, "--out", str(tmp_path)])
+
+
+def body_powersgd_reference(port):
+    """DDP with torch's powerSGD_hook on one bucket, 2 gloo ranks: per step every rank's own gradient, the
+    averaged gradient DDP hands the optimizer, and the bucket's parameter order."""
+    import copy
+    import gc
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from tests.golden import frontends as G
+
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    model = G.Net()
+    local = copy.deepcopy(model)
+    index = {p: i for i, p in enumerate(model.parameters())}
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)  # one bucket
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                        min_compression_rate=0.5, random_seed=3)
+    orders = []
+
+    def hook(st, bucket):
+        orders.append([index[p] for p in bucket.parameters()])
+        return powerSGD_hook.powerSGD_hook(st, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps = []
+    for step in range(6):
+        local.load_state_dict(model.state_dict())
+        local.zero_grad()
+        G.loss(local, rank, step).backward()
+        mine = [p.grad.clone() for p in local.parameters()]
+        opt.zero_grad()
+        G.loss(ddp, rank, step).backward()
+        every = [None] * size
+        dist.all_gather_object(every, mine)
+        steps.append((every, [p.grad.clone() for p in model.parameters()], orders[-1]))
+        opt.step()
+    del ddp, state
+    gc.collect()
+    dist.destroy_process_group()
+    return steps, len(orders)
+
+
+def test_simulated_powersgd_is_torchs_hook_bit_for_bit():
+    """benchmarks.simulator.SimulatedPowerSGD against torch's powerSGD_hook on 2 real gloo ranks: from each
+    step's per-rank gradients it computes the very average DDP handed the optimizer, warm-up and compressed
+    steps alike (rank 2, error feedback, warm start)."""
+    import torch
+
+    from benchmarks.simulator import SimulatedPowerSGD
+    from tests.golden import frontends as G
+    from tests.mpi_harness import run_ranks
+
+    (steps, hooks), _ = run_ranks("tests.test_fidelity_suite:body_powersgd_reference", np=2, timeout=120,
+                                  args=(29661,))
+    assert hooks == 6  # one bucket a step
+    order = steps[-1][2]
+    sim = SimulatedPowerSGD(G.Net().named_parameters(), 2, rank=2, start_iter=2, min_compression_rate=0.5, seed=3,
+                            order=order)
+    assert sim.compressed  # some tensors are approximated, not all averaged
+    for k, (every, avg, bucket_order) in enumerate(steps):
+        assert k < 2 or bucket_order == order
+        out = sim.average(every)
+        assert all(torch.equal(a, b) for a, b in zip(out, avg)), k

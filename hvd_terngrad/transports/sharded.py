@@ -120,11 +120,10 @@ class Sharded(Transport):
 class ShardedTernary(Sharded):
     name = "sharded-ternary"
     collective = "alltoall_u8"
-    auto_ok = False  # its owners draw again: another average (more variance, clipped with clip > 0), chosen by name
+    auto_ok = False  # its owners draw again: another average (more variance, clipped at owner_clip), chosen by name
 
     def owner_reply(self, shards, plan, key):
-        """[fp32 scaler, 2-bit codes] of this owner's shard average, drawn again. With clipping on (the default)
-        the owner clips as the workers do."""
+        """[fp32 scaler, 2-bit codes] of this owner's shard average, drawn again, clipped at owner_clip."""
         coder, n = plan.coder, plan.coder.size
         cfg, owner, shard = coder.config, coder.rank, shards.shape[1]
         avg = coder.scratch(4 * shard, shards.device, use="owner").zero_()
@@ -136,7 +135,7 @@ class ShardedTernary(Sharded):
         else:  # one span unless a tensor's codes ended inside a byte: then a copy of the pieces, padding left out
             pieces = [avg[lo:hi] for lo, hi in spans]
             moments = codec.moments(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-        scaler = cfg.scaler(moments)
+        scaler = cfg.owner_scaler(moments)
         rng = codec.RngKey(cfg.seed, coder.step & 0xFFFFFFFF, OWNER_RANK_BASE + owner,
                            wire.tensor_id(f"terngrad.owner.{key}"))
         reply = torch.empty(wire.OWNER_SCALER_BYTES + shard, dtype=torch.uint8, device=shards.device)

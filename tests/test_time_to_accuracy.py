@@ -1,0 +1,69 @@
+"""benchmarks/time_to_accuracy.py: the target, the time to it and the speedups from recorded runs, and a real
+2-rank job of its worker."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import time_to_accuracy as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(method, seed, curve, task="lenet", profile="ethernet-1g"):
+    return {"task": task, "profile": profile, "method": method, "seed": seed, "workers": 4,
+            "curve": curve, "final": curve[-1][2], "seconds": curve[-1][0]}
+
+
+RUNS = [
+    _run("ddp:fp32", 0, [(0, 0, 10.0), (10, 5, 90.0), (20, 10, 97.0)]),
+    _run("fp32", 0, [(0, 0, 10.0), (30, 5, 90.0), (60, 10, 97.0)]),
+    _run("ddp:powersgd", 0, [(0, 0, 10.0), (6, 5, 96.4), (12, 10, 96.6)]),
+    _run("terngrad", 0, [(0, 0, 10.0), (4, 5, 96.6), (8, 10, 97.2)]),
+    _run("terngrad", 1, [(0, 0, 10.0), (5, 5, 96.0), (9, 10, 96.8)]),
+    _run("fp16", 0, [(0, 0, 10.0), (5, 5, 80.0), (9, 10, 95.0)]),  # never reaches 96.5
+]
+
+
+def test_the_target_is_fp32s_mean_final_less_half_a_point_and_time_is_the_first_evaluation_there():
+    goal = T.target(RUNS, "lenet", "ethernet-1g")
+    assert goal == pytest.approx(96.5)
+    assert T.time_to(RUNS[0], goal) == 20 and T.time_to(RUNS[2], goal) == 12 and T.time_to(RUNS[5], goal) is None
+    lm = _run("ddp:fp32", 0, [(0, 0, 5.0), (10, 5, 2.05), (20, 10, 2.0)], task="charlm")
+    assert T.target([lm], "charlm", "ethernet-1g") == pytest.approx(2.02)  # bits per character: +1%
+    assert T.time_to(lm, 2.02) == 20
+
+
+def test_summary_takes_medians_over_seeds_and_compares_with_fp32_and_the_best_peer():
+    rows = {r["method"]: r for r in T.summarize(RUNS)}
+    tg = rows["terngrad"]
+    assert (tg["tta"], tg["tta_min"], tg["tta_max"], tg["reached"]) == (6.5, 4, 9, 2)  # seeds at 4 and 9 s
+    assert tg["vs_fp32"] == pytest.approx(20 / 6.5)  # against the faster FP32 (DDP's)
+    assert tg["vs_peer"] == pytest.approx(12 / 6.5)  # PowerSGD: the fastest that is not TernGrad
+    assert rows["fp16"]["tta"] is None and rows["fp16"]["reached"] == 0
+    text = T.table(list(rows.values()))
+    assert "not reached" in text and "lenet on ethernet-1g: 96.50" in text
+
+
+@pytest.mark.mpi
+def test_the_worker_trains_every_kind_of_method_on_two_ranks(tmp_path):
+    """A few steps of each kind (DDP, PowerSGD, Horovod, TernGrad on both) in one 2-rank job: a curve each."""
+    out = tmp_path / "runs.jsonl"
+    methods = "ddp:fp32,ddp:powersgd,fp16,terngrad:noclip:ef:block64,ddp:terngrad:sharded-ternary"
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "MASTER_PORT": "29651", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "-np", "2", sys.executable, "-m",
+                          "benchmarks.time_to_accuracy", "worker", "--task", "lenet", "--seed", "0", "--methods",
+                          methods, "--max-steps", "24", "--json", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["method"] for r in runs] == methods.split(",")
+    for r in runs:
+        assert r["steps"] == 24 and r["seconds"] > 0 and r["workers"] == 2
+        clocks = [c[0] for c in r["curve"]]
+        assert clocks == sorted(clocks) and len(clocks) > 3 and r["curve"][-1][1] == 24
+        assert r["final"] > r["curve"][0][2] + 20  # 24 steps of LeNet-5 learn: from chance to well above it
