@@ -2,6 +2,7 @@
 on real ranks, for the transports whose average does not depend on how tensors are grouped."""
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,10 +68,23 @@ def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
         assert ddp == ref, name
 
 
-# what torch, the digits data and a build of this package need, linked into the fresh venv: nothing downloads
-_FRESH_DEPS = ("torch", "torchgen", "functorch", "numpy", "numpy.libs", "filelock", "typing_extensions.py", "sympy",
-               "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "sklearn", "scikit_learn.libs", "scipy",
-               "scipy.libs", "joblib", "threadpoolctl.py", "setuptools", "_distutils_hack", "wheel")
+def _link_distributions(roots, site, into) -> None:
+    """Link into `into` every top-level file and folder of the distributions `roots` need (their requirements
+    without extras, transitively), metadata included, from the site-packages `site`."""
+    import re
+    from importlib import metadata
+
+    todo, seen = list(roots), set()
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        key = dist.metadata["Name"].lower().replace("-", "_")
+        if key in seen:
+            continue
+        seen.add(key)
+        todo += [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in dist.requires or [] if "extra ==" not in r]
+        for top in {Path(str(f)).parts[0] for f in dist.files or []}:
+            if (site / top).exists() and not (into / top).exists() and not top.startswith(".."):
+                (into / top).symlink_to(site / top)
 
 
 @pytest.mark.slow
@@ -81,20 +95,21 @@ def test_pip_install_and_a_torchrun_training_in_a_fresh_venv_without_horovod(tmp
     import subprocess
     import sys
     import sysconfig
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     site = Path(sysconfig.get_paths()["purelib"])
     venv, deps = tmp_path / "venv", tmp_path / "deps"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     deps.mkdir()
-    for name in _FRESH_DEPS:
-        (deps / name).symlink_to(site / name)
+    # torch, the digits data's scikit-learn and what a build of this package needs, with what they need:
+    # linked from this venv, so nothing downloads
+    _link_distributions(("torch", "scikit-learn", "setuptools", "wheel"), site, deps)
     py = venv / "bin" / "python"
     vsite = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                 capture_output=True, text=True, check=True).stdout.strip())
-    (vsite / "linked_deps.pth").write_text(f"{deps}\n")
-    (vsite / "pip").symlink_to(site / "pip")
+    (vsite / "a_linked_deps.pth").write_text(f"{deps}\n")  # before distutils-precedence.pth, which needs it
+    for name in ("pip", "distutils-precedence.pth"):  # pip, and setuptools' shim over the stdlib's distutils
+        (vsite / name).symlink_to(site / name)
     src = tmp_path / "src"  # a copy, so that the build writes nothing into the tree
     shutil.copytree(root, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", "*.so",
                                                                 "__pycache__", "*.egg-info"))
