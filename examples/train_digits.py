@@ -142,7 +142,7 @@ def main(argv=None):
         print("\n" + table(results), flush=True)
         print(f"This CNN sends {dense_bytes(DigitsCNN()):,} bytes of gradient a step: too few for the link to cost "
               "much, so TernGrad's coding costs more than it saves here. Where the bytes matter (LeNet-5 on 1 "
-              "Gbit/s) it reaches FP32's accuracy 1.9x sooner: docs/time-to-accuracy.md.", flush=True)
+              "Gbit/s) it reaches FP32's accuracy 1.6x sooner: docs/time-to-accuracy.md.", flush=True)
         for k, r in enumerate(results):
             same = len({d[k] for d in digests}) == 1
             print(f"{r['method']}: parameters {'agree' if same else 'DIFFER'} across {hvd.size()} workers "

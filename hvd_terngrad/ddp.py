@@ -159,9 +159,11 @@ class _Serial:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
-        fut = torch.futures.Future()
+        fut = torch.futures.Future()  # the worker sets the tensor, or the error
         self._queue.put((run, fut))
-        return fut
+        # An error set with set_exception reaches DDP's C++ side as "Unable to cast <message> to Tensor"; raised
+        # in a callback, it reaches the user as "...when running the callback: <Type>: <message>"
+        return fut.then(_value_or_raise)
 
     def _loop(self) -> None:
         while True:
@@ -171,10 +173,17 @@ class _Serial:
                 out = run()
                 fut.set_result(out.wait() if isinstance(out, torch._C.Future) else out)
             except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
-                fut.set_exception(exc)
+                fut.set_result(exc)
             # hold nothing while waiting for the next bucket: a finished bucket's collectives keep their process
             # group alive, and one destroyed at interpreter exit, after the group was, aborts the process
             del run, fut, out
+
+
+def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
+    value = fut.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 class InLaunchOrder:

@@ -223,6 +223,40 @@ def test_powersgd_in_launch_order_on_many_buckets():
     assert out["powersgd", 7][0] != out["fp32", 7][0] and out["powersgd", 7][1] > 0
 
 
+def body_ddp_nonfinite(port):
+    """A NaN gradient on rank 1 at step 1, on_nonfinite='raise': what each rank's backward raises."""
+    import torch.distributed as dist
+
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30)
+    ddp.register_comm_hook(state, terngrad_hook)
+    out = None
+    for step in range(3):
+        loss = G.loss(ddp, rank, step)
+        try:
+            (loss * (float("nan") if (rank, step) == (1, 1) else 1.0)).backward()
+        except RuntimeError as exc:
+            out = (step, str(exc).splitlines()[0])
+            break
+    del ddp, state
+    gc.collect()
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_nan_gradient_under_ddp_raises_on_every_rank_naming_tensor_and_rank():
+    res = run_ranks("tests.test_ddp:body_ddp_nonfinite", np=2, timeout=120, args=(29671,))
+    for step, message in res:
+        assert step == 1
+        assert "NonFiniteGradientError: hvd_terngrad: non-finite" in message and "on rank 1 at step 1" in message
+        assert "Unable to cast" not in message
+
+
 def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
     from hvd_terngrad.ddp import _Serial
 
@@ -236,5 +270,5 @@ def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
 
     def boom():
         raise ValueError("bucket 3 broke")
-    with pytest.raises(ValueError, match="bucket 3 broke"):
+    with pytest.raises(RuntimeError, match="ValueError: bucket 3 broke"):  # as DDP raises it: type and message
         serial.submit(boom).wait()
