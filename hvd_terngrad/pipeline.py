@@ -36,7 +36,8 @@ STATE_VERSION = 1  # of state_dict()
 def coding_options(config: TernGradConfig) -> dict:
     """The options that change what is coded or what a residual means (not how fast, nor how long to wait)."""
     keep = ("clip", "share_scaler", "min_numel", "exclude", "seed", "error_feedback", "owner_error_feedback",
-            "owner_clip", "transport", "hierarchical", "block_size")
+            "transport", "hierarchical", "block_size") + (("owner_clip",) if config.transport == "sharded-ternary"
+                                                          else ())  # only sharded-ternary's owners draw
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
             ((k, getattr(config, k)) for k in keep)}
 
@@ -111,8 +112,9 @@ class Pipeline:
             raise ValueError(f"hvd_terngrad: a TernGrad state of version {state.get('version')!r}; this version "
                              f"reads {STATE_VERSION}")
         mine = coding_options(self.config)
-        # a state saved before owner_clip existed: its owners clipped at clip
-        saved = {"owner_clip": state["options"].get("clip"), **state["options"]}
+        saved = dict(state["options"])
+        if saved.get("transport") == "sharded-ternary":  # saved before owner_clip existed: owners clipped at clip
+            saved.setdefault("owner_clip", saved.get("clip"))
         differ = sorted(k for k in mine.keys() | saved.keys() if mine.get(k) != saved.get(k))
         if differ:
             raise ValueError("hvd_terngrad: the TernGrad state was saved with other options ("

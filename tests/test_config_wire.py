@@ -163,3 +163,42 @@ def test_terngrad_state_loads_only_where_it_means_the_same():
         other.load_state_dict(state)
     assert "saved by rank 1 of 2, loaded on rank 1 of 4" in str(caught[0].message)
     assert other.step == 7 and not other.coder.feedback.worker
+
+
+def test_owner_options_of_sharded_ternary_default_to_a_clipped_compensated_draw():
+    import pytest
+
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.codec import Moments
+
+    rec = TernGradConfig.recommended(transport="sharded-ternary")
+    assert rec.owner_error_feedback and rec.owner_clip == 2.5 and rec.clip == 0.0  # follows error_feedback
+    assert not TernGradConfig(transport="sharded-ternary").owner_error_feedback
+    assert not TernGradConfig.recommended().owner_error_feedback  # only sharded-ternary's owners draw
+    assert not TernGradConfig.recommended(transport="sharded-ternary", owner_error_feedback=False).owner_error_feedback
+    st = Moments(0.0, 1.0, 10.0, 0)  # mean, std, max|g|, non-finite count
+    assert rec.scaler(st) == 10.0 and rec.owner_scaler(st) == 2.5  # workers unclipped, owners clipped
+    assert TernGradConfig(transport="sharded-ternary", owner_clip=0.0).owner_scaler(st) == 10.0
+    for bad in (-1.0, float("nan"), True, "2.5"):
+        with pytest.raises(ValueError, match="owner_clip must be a finite number"):
+            TernGradConfig(owner_clip=bad)
+
+
+def test_a_state_saved_before_owner_clip_loads_where_the_owners_draw_the_same():
+    import pytest
+
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.collectives.loopback import LoopbackWorld
+    from hvd_terngrad.pipeline import STATE_VERSION, Pipeline, coding_options
+
+    def state(cfg):  # as an earlier version saved it: no owner_clip among the options
+        opts = {k: v for k, v in coding_options(cfg).items() if k != "owner_clip"}
+        return {"version": STATE_VERSION, "step": 3, "rank": 0, "size": 1, "options": opts,
+                "feedback": {"worker": {}, "owner": {}}}
+
+    comm = LoopbackWorld(1).ranks()[0]
+    for cfg in (TernGradConfig.recommended(), TernGradConfig(transport="sharded-ternary")):
+        Pipeline(cfg, comm).load_state_dict(state(cfg))  # allgather: no owners; clip 2.5: owners clipped at 2.5
+    rec = TernGradConfig.recommended(transport="sharded-ternary")
+    with pytest.raises(ValueError, match="owner_clip=0.0, now 2.5"):  # its owners drew unclipped then
+        Pipeline(rec, comm).load_state_dict(state(rec))
