@@ -55,7 +55,8 @@ class TernGradConfig:
     num_threads: CPU codec threads (default: torch.get_num_threads()).
     hierarchical: nodes with several ranks average inside the node in float and code only between nodes,
         one rank a node per bucket, then broadcast inside the node (hvd_terngrad.hierarchy; the
-        hvd_terngrad optimizer on the global process set; needs HOROVOD_DYNAMIC_PROCESS_SETS=1).
+        hvd_terngrad optimizer on the global process set, which needs HOROVOD_DYNAMIC_PROCESS_SETS=1, or the
+        DDP hook on the default process group).
     link_gbps: the link between workers in Gbit/s, for transport="auto"'s choice (default: the environment
         variable HVD_TERNGRAD_LINK_GBPS, else 1 Gbit/s Ethernet).
     timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank

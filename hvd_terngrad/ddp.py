@@ -6,11 +6,13 @@
     ddp.register_comm_hook(state, terngrad_hook)
 
 No Horovod: the collectives are torch.distributed's (gloo on CPU, NCCL on GPU; collectives.distributed), and
-`torchrun` launches the job. Each DDP bucket goes through the pipeline as one group: its coded tensors share
-their scalers in one Max allreduce and travel with the configured transport; the tensors that stay in float
-(min_numel, exclude) are averaged in one allreduce. The codes depend on (seed, step, rank, tensor name) and the
-shared scaler, not on the buckets, so for allgather, summed and sharded the average is bit for bit the one
-hvd_terngrad's Horovod optimizer computes (sharded-ternary's owners draw per bucket, so there it differs).
+`torchrun` launches the job. hierarchical=True finds the nodes itself (hierarchy.discover_torch) and codes only
+between them, as hvd_terngrad's Horovod optimizer does. Each DDP bucket goes through the pipeline as one group:
+its coded tensors share their scalers in one Max allreduce and travel with the configured transport; the
+tensors that stay in float (min_numel, exclude) are averaged in one allreduce. The codes depend on (seed, step,
+rank, tensor name) and the shared scaler, not on the buckets, so for allgather, summed and sharded the average
+is bit for bit the one hvd_terngrad's Horovod optimizer computes (sharded-ternary's owners draw per bucket, so
+there it differs).
 
 How it overlaps backward (the trade-off against a hook that waits inside itself): the hook hands the bucket to
 one worker thread of this state and returns its future. The worker runs the whole exchange (moments, scaler
@@ -35,6 +37,8 @@ import torch.distributed as dist
 
 from hvd_terngrad.collectives.distributed import TorchCollectives
 from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
 
 
@@ -47,27 +51,39 @@ class TernGradState:
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "names", "pipeline", "_order")
+    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None, **options):
         if config is not None and options:
             raise ValueError("pass either config= or keyword options, not both")
         self.config = config if config is not None else TernGradConfig(**options)
-        if self.config.hierarchical:
-            raise ValueError("hierarchical=True is for Horovod's nodes; with DDP code between all ranks")
+        if self.config.hierarchical and process_group is not None:
+            raise ValueError("hierarchical=True with DDP finds the nodes in the default process group; pass "
+                             "process_group=None")
         if self.config.on_nonfinite == "skip":
             raise ValueError("on_nonfinite='skip' needs an optimizer TernGrad owns; with DDP use 'raise' or, for "
                              "AMP's GradScaler, 'propagate'")
         self.process_group = process_group
         self.names = {p: n for n, p in named_parameters}  # parameter -> its name
         self.pipeline: Optional[Pipeline] = None  # made on the first bucket: the process group is up by then
+        self.world: Optional[TorchCollectives] = None  # the whole group: the float averages
+        self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
 
     def connect(self) -> Pipeline:
-        """This rank's pipeline over the process group (once)."""
+        """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
+        local index on every node, coding as its node."""
         if self.pipeline is None:
-            comm = TorchCollectives(self.process_group, timeout_s=self.config.timeout_s)
-            self.pipeline = Pipeline(self.config, comm)
+            self.world = TorchCollectives(self.process_group, timeout_s=self.config.timeout_s)
+            if self.config.hierarchical:
+                h = self.hierarchy = discover_torch(self.config.timeout_s)
+                self.pipeline = Pipeline(self.config, h.cross or self.world, rank=h.topology.node,
+                                         size=h.topology.nodes)
+                for comm in (h.local, self.world):
+                    if comm is not None:
+                        comm.stats = self.pipeline.stats
+            else:
+                self.pipeline = Pipeline(self.config, self.world)
         return self.pipeline
 
     @property
@@ -93,22 +109,26 @@ class TernGradState:
         return coded, floats
 
     def _finish(self, job: "_Job") -> torch.Tensor:
-        pipe, comm = self.pipeline, self.pipeline.comm
-        if job.coded:
-            more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
-            job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False,
-                                   what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
+        pipe, comm, h = self.pipeline, self.world, self.hierarchy
+        node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
         floats = None
         if job.floats:  # one float average of the bucket's uncoded tensors
             flat = torch.cat([v.reshape(-1) for _, v in job.floats])
-            pipe.stats.add_float(flat.numel() * flat.element_size(), pipe.size)
+            pipe.stats.add_float(flat.numel() * flat.element_size(), comm.size)
             floats = comm.average_async_(flat, name=f"terngrad.float.{job.index}")
-        if job.group is not None:
+        if node is not None:
+            h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
+        if job.coded and (h is None or h.codes(job.index)):
+            more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
+            job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False,
+                                   what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
             pipe.progress(job.group, block=True)  # the second collective of a sharded transport
             pipe.finish_into(job.group, [v for _, v in job.coded])  # propagate: non-finite ones are NaN
-            if self.config.on_nonfinite != "propagate":
-                pipe.coder.raise_nonfinite(pipe.nonfinite(job.group))
+        if node is not None or (h is not None and h.cross is None and job.coded):
+            self._finish_in_node(job)  # the coder's decoded averages to the rest of its node
+        elif job.group is not None and self.config.on_nonfinite != "propagate":
+            pipe.coder.raise_nonfinite(pipe.nonfinite(job.group))
         if floats is not None:
             avg, off = comm.wait(floats, f"the float average of DDP bucket {job.index}"), 0
             for _, v in job.floats:
@@ -116,6 +136,19 @@ class TernGradState:
                 off += v.numel()
         self._step_done(job)
         return job.buffer
+
+    def _finish_in_node(self, job: "_Job") -> None:
+        """hierarchical: the coder's averages broadcast to its node (a rank that found a non-finite average fills
+        it with NaN first); the names non-finite anywhere, the same on every rank, raised unless propagated."""
+        pipe = self.pipeline
+        mine = {it.name for it in pipe.nonfinite(job.group)} if job.group is not None else set()
+        bad = self.hierarchy.finish_in_node([(job.index, name, v) for name, v in job.coded], mine)
+        if bad and self.config.on_nonfinite != "propagate":
+            raise NonFiniteGradientError(
+                f"hvd_terngrad: non-finite (NaN/Inf) gradient in {bad[0]!r} at step {pipe.step} (its node's float "
+                f"average or the codes between nodes, seen on rank {self.world.rank}; affected: "
+                f"{', '.join(map(repr, bad[:5]))}). Every rank raises this in the same step; on_nonfinite="
+                f"'propagate' hands AMP's GradScaler a NaN average instead.")
 
     def _step_done(self, job: "_Job") -> None:
         """After the step's last bucket, the next step: every bucket of a step is coded with its number. The

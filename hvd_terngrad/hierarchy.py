@@ -18,13 +18,11 @@ path.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass
 
-import horovod.torch as hvd
 import torch
-from horovod.common import process_sets as _process_sets
-
-from hvd_terngrad.collectives.horovod import HorovodCollectives
 
 
 @dataclass(frozen=True)
@@ -60,16 +58,14 @@ def topology(table: list[tuple[int, int]], rank: int) -> Topology:
 
 
 class Hierarchy:
-    """This rank's two process sets as TernGrad collectives: `local` (its node; None with one rank a node) and
-    `cross` (its local index on every node; None with one node)."""
+    """This rank's two groups as TernGrad collectives (Horovod's process sets, or torch.distributed's groups):
+    `local` (its node; None with one rank a node) and `cross` (its local index on every node; None with one
+    node)."""
 
     __slots__ = ("topology", "local", "cross")
 
-    def __init__(self, topo: Topology, timeout_s: float, stats=None):
-        self.topology = topo
-        node_sets, cross_sets = _register(topo)
-        self.local = None if topo.local_size == 1 else HorovodCollectives(node_sets[topo.node], stats, timeout_s)
-        self.cross = None if topo.nodes == 1 else HorovodCollectives(cross_sets[topo.local_index], stats, timeout_s)
+    def __init__(self, topo: Topology, local, cross):
+        self.topology, self.local, self.cross = topo, local, cross
 
     def codes(self, bucket: int) -> bool:
         """Whether this rank codes bucket `bucket` between the nodes."""
@@ -107,7 +103,8 @@ class Hierarchy:
         return out
 
     def root(self, bucket: int) -> int:
-        """The coder of `bucket` as Horovod's broadcast names a root within a process set: its global rank."""
+        """The coder of `bucket` as Horovod's and torch.distributed's broadcasts name a root within a group:
+        its global rank."""
         return self.topology.node_ranks[self.topology.coder(bucket)]
 
 
@@ -115,10 +112,44 @@ def discover(timeout_s: float, stats=None) -> Hierarchy:
     """Every rank's node from Horovod (one allgather over all ranks, at most timeout_s) and the process sets
     of the hierarchy, registered with Horovod where they are new. Every rank must call this, in the same
     order as any other process-set registration."""
+    import horovod.torch as hvd
+
+    from hvd_terngrad.collectives.horovod import HorovodCollectives
+
     world = HorovodCollectives(hvd.global_process_set, stats, timeout_s)
     mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int32)
     table = world.wait(hvd.allgather_async(mine, name="terngrad.topology"), "the node-topology allgather")
-    return Hierarchy(topology([tuple(row) for row in table.tolist()], hvd.rank()), timeout_s, stats)
+    topo = topology([tuple(row) for row in table.tolist()], hvd.rank())
+    node_sets, cross_sets = _register(topo)
+    return Hierarchy(topo, None if topo.local_size == 1 else HorovodCollectives(node_sets[topo.node], stats, timeout_s),
+                     None if topo.nodes == 1 else HorovodCollectives(cross_sets[topo.local_index], stats, timeout_s))
+
+
+def discover_torch(timeout_s: float, stats=None) -> Hierarchy:
+    """The same over torch.distributed's default group: each rank's node is torchrun's GROUP_RANK (the node
+    rank it gives every process) or else its host name, its place in the node LOCAL_RANK or else its order
+    among the node's ranks (one all_gather_object); the node and cross groups from
+    dist.new_subgroups_by_enumeration, which every rank calls with the same lists."""
+    import torch.distributed as dist
+
+    from hvd_terngrad.collectives.distributed import TorchCollectives
+
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (node, os.environ.get("LOCAL_RANK")))
+    nodes = list(dict.fromkeys(n for n, _ in every))  # in order of first appearance
+    table = []
+    for r, (n, local) in enumerate(every):
+        table.append((nodes.index(n), int(local) if local is not None else [m for m, _ in every[:r]].count(n)))
+    topo = topology(table, dist.get_rank())
+    local = cross = None
+    if topo.local_size > 1:
+        group, _ = dist.new_subgroups_by_enumeration([list(row) for row in topo.grid])
+        local = TorchCollectives(group, stats, timeout_s)
+    if topo.nodes > 1:
+        group, _ = dist.new_subgroups_by_enumeration([[row[i] for row in topo.grid] for i in range(topo.local_size)])
+        cross = TorchCollectives(group, stats, timeout_s)
+    return Hierarchy(topo, local, cross)
 
 
 def _register(topo: Topology) -> tuple[list, list]:
@@ -132,6 +163,9 @@ def _register(topo: Topology) -> tuple[list, list]:
 
 def _process_set(ranks: list[int]):
     """Horovod's process set of exactly `ranks`, registered if new (that needs HOROVOD_DYNAMIC_PROCESS_SETS=1)."""
+    import horovod.torch as hvd
+    from horovod.common import process_sets as _process_sets
+
     ranks = sorted(ranks)
     if len(ranks) == hvd.size():
         return hvd.global_process_set

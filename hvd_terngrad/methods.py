@@ -19,7 +19,7 @@ optimizer it builds.
                                              iterations cut to 2), run bucket after bucket in launch order
                                              (hvd_terngrad.ddp.InLaunchOrder: its chained callbacks
                                              abort gloo jobs otherwise)
-    ddp:terngrad[:<modifier>...]             DDP with hvd_terngrad.ddp.terngrad_hook (no stock, no hier)
+    ddp:terngrad[:<modifier>...]             DDP with hvd_terngrad.ddp.terngrad_hook (no stock)
 
 `parse_method("terngrad:stock:summed").name` is the canonical spelling: modifiers in the order above, the
 default transport left out. No Horovod is imported until an optimizer is built.
@@ -117,8 +117,8 @@ def _parse_ddp(rest: str, text: str) -> Method:
             raise ValueError(f"method {text!r}: only ddp:terngrad takes modifiers")
         return Method(base, ddp=True)
     m = parse_method(rest)
-    if m.stock or "hier" in m.options:
-        raise ValueError(f"method {text!r}: 'stock' and 'hier' are Horovod's; DDP takes neither")
+    if m.stock:
+        raise ValueError(f"method {text!r}: 'stock' is Horovod's optimizer; DDP has its hook")
     return Method("terngrad", m.transport, False, m.options, m.block_size, ddp=True)
 
 

@@ -272,3 +272,49 @@ def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
         raise ValueError("bucket 3 broke")
     with pytest.raises(RuntimeError, match="ValueError: bucket 3 broke"):  # as DDP raises it: type and message
         serial.submit(boom).wait()
+
+
+def body_ddp_one_node(port):
+    """hierarchical=True where every rank is on one host: the node's float average is the whole exchange."""
+    import torch.distributed as dist
+
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    out = []
+    for hier in (True, False):
+        model = G.Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = None
+        if hier:
+            state = TernGradState(model.named_parameters(), min_numel=1, hierarchical=True)
+            ddp.register_comm_hook(state, terngrad_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            G.loss(ddp, rank, step).backward()
+            opt.step()
+        out.append((G.digest(model.parameters()), None if state is None else
+                    (state.pipeline.size, state.hierarchy.cross is None, state.stats.last.tensors_coded)))
+        del ddp, state
+    gc.collect()
+    dist.destroy_process_group()
+    return out
+
+
+def test_ddp_hierarchical_on_one_node_is_the_float_average():
+    res = run_ranks("tests.test_ddp:body_ddp_one_node", np=2, timeout=120, args=(29691,))
+    for (hier, info), (plain, _) in res:
+        assert hier == plain  # DDP's own FP32 average, bit for bit
+        assert info == (1, True, 0)  # one node: nothing coded between nodes
+
+
+def test_the_hook_refuses_what_ddp_cannot_do_with_a_reason():
+    from hvd_terngrad.ddp import TernGradState
+
+    model = G.Net()
+    with pytest.raises(ValueError, match="default process group"):
+        TernGradState(model.named_parameters(), hierarchical=True, process_group=object())
+    with pytest.raises(ValueError, match="on_nonfinite='skip' needs an optimizer"):
+        TernGradState(model.named_parameters(), on_nonfinite="skip")

@@ -206,3 +206,69 @@ def test_one_node_averages_in_float_and_the_stock_optimizer_is_refused():
             assert torch.equal(r["grads"][name], (_grads(0, 0)["a." + name] + _grads(1, 0)["a." + name]) / 2)
         assert "hierarchical=True needs hvd_terngrad.DistributedOptimizer" in r["stock"]
         assert "non-finite" in r["nan"] and "'weight'" in r["nan"], r["nan"]
+
+
+def body_ddp_two_by_two(transports: list[str]) -> dict:
+    """DDP with terngrad_hook and hierarchical=True, beside hvd_terngrad's hierarchical optimizer on the same
+    model and losses in the same processes; then a NaN on rank 3 under DDP."""
+    import gc
+    import os
+
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from tests.golden import frontends as G
+
+    hvd.init()
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:29681", rank=hvd.rank(),
+                            world_size=hvd.size())
+    torch.set_num_threads(1)
+    out = {}
+    for transport in transports:
+        opts = {"transport": transport, "hierarchical": True, "seed": 7, "min_numel": 1, "timeout_s": 60}
+        model, ref = G.Net(), G.Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = TernGradState(model.named_parameters(), **opts)
+        ddp.register_comm_hook(state, terngrad_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                                                    named_parameters=ref.named_parameters(),
+                                                    compression=hvd_terngrad.TernGrad(**opts))
+        for step in range(STEPS):
+            for net, o in ((ddp, opt), (ref, ref_opt)):
+                o.zero_grad()
+                G.loss(net, hvd.rank(), step).backward()
+                o.step()
+        topo = state.hierarchy.topology
+        out[transport] = {"ddp": G.digest(model.parameters()), "ref": G.digest(ref.parameters()),
+                          "grid": topo.grid, "pipeline": (state.pipeline.rank, state.pipeline.size)}
+        opt.zero_grad()
+        try:
+            loss = G.loss(ddp, hvd.rank(), STEPS)
+            (loss * (float("nan") if hvd.rank() == 3 else 1.0)).backward()
+            out[transport]["nan"] = "no error"
+        except RuntimeError as exc:
+            out[transport]["nan"] = str(exc).splitlines()[0]
+        del ddp, state
+        gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    hvd.barrier()
+    return out
+
+
+@pytest.mark.mpi
+def test_ddp_hook_with_hierarchical_gives_the_horovod_optimizers_bits_on_two_nodes_of_two():
+    """The hook finds the nodes itself (host names here), averages in float inside each node and codes
+    between nodes as hvd_terngrad's hierarchical optimizer does: the same parameters bit for bit."""
+    transports = ["allgather", "summed", "sharded"]
+    res = _run_on_cluster("tests.test_hierarchical:body_ddp_two_by_two", (transports,), nodes=2, per_node=2)
+    for t in transports:
+        assert [r[t]["pipeline"] for r in res] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # coded between 2 nodes
+        assert res[0][t]["grid"] == ((0, 1), (2, 3))
+        assert all(r[t]["ddp"] == res[0][t]["ddp"] for r in res), t  # every rank the same
+        assert res[0][t]["ddp"] == res[0][t]["ref"], t
+        for r in res:  # a NaN on rank 3 reaches every rank as an error naming the tensor
+            assert "NonFiniteGradientError" in r[t]["nan"] and "non-finite" in r[t]["nan"], r[t]["nan"]

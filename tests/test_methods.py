@@ -28,7 +28,7 @@ def test_method_names_parse_to_one_canonical_spelling(text, name, stock, options
 
 
 @pytest.mark.parametrize("text", ["fp8", "fp32:summed", "local:sharded", "terngrad:bogus", "ddp:local", "ddp:fp32:ef",
-                                  "ddp:terngrad:stock", "ddp:terngrad:hier",
+                                  "ddp:terngrad:stock",
                                   "ddp:powersgd0", "ddp:powersgd4:ef", "ddp:powersgdx",
                                   "terngrad:summed:summed-int8", "terngrad:ef:ef", "terngrad:block100",
                                   "terngrad:block64:block128"])
@@ -44,6 +44,7 @@ def test_the_method_optimizer_follows_the_stock_modifier():
     assert all(parse_method(m).optimizer == "ddp" and parse_method(m).name == m
                for m in ("ddp:fp32", "ddp:fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "ddp:terngrad",
                          "ddp:terngrad:sharded"))
+    assert parse_method("ddp:terngrad:hier").terngrad_options()["hierarchical"]
     assert parse_method("ddp:powersgd4").rank == 4 and parse_method("ddp:powersgd1") == parse_method("ddp:powersgd")
 
 

@@ -47,6 +47,10 @@ class TorchCollectives:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Handle(work, tensor, divide=self.size)
 
+    def broadcast_async_(self, tensor, root, name):
+        """In place, from `root` (a global rank in this group) to every rank of it."""
+        return _Handle(dist.broadcast(tensor, src=root, group=self.group, async_op=True), tensor)
+
     @staticmethod
     def poll(handle) -> bool:
         return handle.work.is_completed()
