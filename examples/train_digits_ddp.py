@@ -89,8 +89,6 @@ def main(argv=None) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         ap.error(f"unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
-    if "bf16" in methods and not torch.cuda.is_available():
-        ap.error("bf16: torch's bf16_compress_hook needs NCCL on a GPU; on the CPU use fp16")
     if "RANK" not in os.environ:
         ap.error("launch it with torchrun, e.g. torchrun --nproc_per_node 2 -m examples.train_digits_ddp")
     dist.init_process_group("gloo")
