@@ -22,10 +22,17 @@ def _init_gloo(port: int) -> int:
     return rank
 
 
+def _close_gloo() -> None:
+    """The DDP models go before their process group (else an abort at exit, hook or not), then the group."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def body_ddp(cases, port):
     """Each case: STEPS steps of DDP with the hook, and of hvd_terngrad's optimizer, in the same processes."""
     import horovod.torch as hvd
-    import torch.distributed as dist
 
     import hvd_terngrad
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
@@ -53,8 +60,7 @@ def body_ddp(cases, port):
         out[name] = (G.digest(model.parameters()), G.digest(ref.parameters()), state.pipeline.step,
                      state.stats.last.tensors_coded)
     del ddp, state
-    gc.collect()  # the DDP models, before their process group goes
-    dist.destroy_process_group()
+    _close_gloo()
     return out
 
 
@@ -160,7 +166,6 @@ def _ddp_run(steps, rank, state_in=None, overflow_at=None, **options):
 
 
 def body_ddp_loops(port):
-    import torch.distributed as dist
 
     rank = _init_gloo(port)
     torch.set_num_threads(1)
@@ -168,8 +173,7 @@ def body_ddp_loops(port):
     _, saved, _ = _ddp_run(range(3), rank, error_feedback=True)
     resumed, _, _ = _ddp_run(range(3, 6), rank, state_in=saved, error_feedback=True)
     params, _, scales = _ddp_run(range(4), rank, overflow_at=2, on_nonfinite="propagate")
-    gc.collect()  # the DDP models, before their process group goes (else an abort at exit, hook or not)
-    dist.destroy_process_group()
+    _close_gloo()
     return torch.equal(straight, resumed), scales, params
 
 
@@ -184,7 +188,6 @@ def test_the_ddp_hook_resumes_bit_for_bit_and_lets_amp_see_an_overflow():
 def body_powersgd(port):
     """torch's powerSGD_hook through InLaunchOrder over many small buckets, and DDP's FP32 allreduce, from the
     same start: 5 steps of PowerSGD after its 2 of plain allreduce, and 2 steps in all (allreduce only)."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from hvd_terngrad.ddp import InLaunchOrder, in_launch_order
@@ -207,8 +210,7 @@ def body_powersgd(port):
             opt.step()
         out[name, steps] = (G.digest(model.parameters()), len(state.p_memory_dict) if state else 0)
         del ddp, state
-    gc.collect()
-    dist.destroy_process_group()
+    _close_gloo()
     return out
 
 
@@ -225,7 +227,6 @@ def test_powersgd_in_launch_order_on_many_buckets():
 
 def body_ddp_nonfinite(port):
     """A NaN gradient on rank 1 at step 1, on_nonfinite='raise': what each rank's backward raises."""
-    import torch.distributed as dist
 
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
 
@@ -244,8 +245,7 @@ def body_ddp_nonfinite(port):
             out = (step, str(exc).splitlines()[0])
             break
     del ddp, state
-    gc.collect()
-    dist.destroy_process_group()
+    _close_gloo()
     return out
 
 
@@ -276,7 +276,6 @@ def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
 
 def body_ddp_one_node(port):
     """hierarchical=True where every rank is on one host: the node's float average is the whole exchange."""
-    import torch.distributed as dist
 
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
 
@@ -298,8 +297,7 @@ def body_ddp_one_node(port):
         out.append((G.digest(model.parameters()), None if state is None else
                     (state.pipeline.size, state.hierarchy.cross is None, state.stats.last.tensors_coded)))
         del ddp, state
-    gc.collect()
-    dist.destroy_process_group()
+    _close_gloo()
     return out
 
 
