@@ -124,14 +124,20 @@ def _lower_is_better(task: str) -> bool:
     return TASKS[task].metric != "acc"
 
 
+def target_from(fp32: float, lower_is_better: bool = False) -> float:
+    """What counts as FP32's quality: its metric less 0.5 pp (accuracy, %), or plus 1% (bits per character).
+    The main job (examples/train_digits.py) uses the same rule."""
+    return fp32 * 1.01 if lower_is_better else fp32 - 0.5
+
+
 def target(runs: list[dict], task: str, profile: str) -> float | None:
-    """FP32's final metric (mean over the FP32 methods and seeds), minus 0.5 pp or plus 1%."""
+    """target_from FP32's final metric (the mean over the FP32 methods and seeds)."""
     finals = [r["final"] for r in runs if (r["task"], r["profile"], r["method"]) in
               {(task, profile, m) for m in FP32} and math.isfinite(r["final"])]
     if not finals:
         return None
     ref = statistics.mean(finals)
-    return ref * 1.01 if _lower_is_better(task) else ref - 0.5
+    return target_from(ref, _lower_is_better(task))
 
 
 def time_to(run: dict, goal: float) -> float | None:

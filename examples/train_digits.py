@@ -24,6 +24,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from benchmarks.time_to_accuracy import target_from
 from examples.digits import DigitsCNN, accuracy, load_data
 from hvd_terngrad.methods import build_optimizer, parse_method
 
@@ -95,7 +96,7 @@ def time_to_fp32(results: list[dict]) -> tuple[float | None, dict]:
     ref = next((r["final_acc"] for r in results if r["method"] == "fp32"), None)
     if ref is None:
         return None, {}
-    goal = ref - 0.5
+    goal = target_from(ref)
     return goal, {r["method"]: next((h["seconds"] for h in r["history"] if h["test_acc"] >= goal), None)
                   for r in results}
 

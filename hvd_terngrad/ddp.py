@@ -125,6 +125,8 @@ class TernGradState:
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
             pipe.progress(job.group, block=True)  # the second collective of a sharded transport
             pipe.finish_into(job.group, [v for _, v in job.coded])  # propagate: non-finite ones are NaN
+        # hierarchical with a node of several ranks, or with one node only (its float average was the whole
+        # exchange): the node's verdict; otherwise the pipeline's
         if node is not None or (h is not None and h.cross is None and job.coded):
             self._finish_in_node(job)  # the coder's decoded averages to the rest of its node
         elif job.group is not None and self.config.on_nonfinite != "propagate":
