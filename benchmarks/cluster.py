@@ -116,6 +116,7 @@ class EmulatedCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"hvdtg-cluster-{self.tag}-"))
         self._old_handlers = {}
         self._jobs: list[subprocess.Popen] = []  # running mpirun process groups, killed by cleanup()
+        self._link_gbps: float | None = None  # the link transport="auto" is told of, once known
 
     # names -----------------------------------------------------------------------------------
     def ns(self, i: int) -> str:
@@ -255,12 +256,23 @@ class EmulatedCluster:
             cmd += ["-x", var]
         return cmd + argv
 
+    def link_gbps(self) -> float | None:
+        """The link between nodes in Gbit/s: the shaped rate, or unshaped the probed bandwidth (once); None with
+        one node. What a user tells transport="auto" of their cluster (HVD_TERNGRAD_LINK_GBPS)."""
+        if self._link_gbps is None and self.nodes >= 2:
+            rate = _rate_gbps(self.profile.rate) if self.profile.rate else None
+            self._link_gbps = rate or self.probe()["bandwidth_MBps"] * 8 / 1e3
+        return self._link_gbps
+
     def run(self, argv: list[str], timeout: float = 600, env: dict | None = None, echo=None,
             tag_output: bool = False) -> subprocess.CompletedProcess:
         """Run argv on every node; its output (stdout and stderr together) once it ends. echo: a stream that also
-        gets each line as it comes; tag_output: lines tagged `[job,rank]<stdout>:` as horovodrun tags them."""
+        gets each line as it comes; tag_output: lines tagged `[job,rank]<stdout>:` as horovodrun tags them.
+        The job is told the link (HVD_TERNGRAD_LINK_GBPS, for transport="auto") unless env says it."""
         # torch.distributed's rendezvous (DDP methods) at node 0, its traffic over the shaped links
         env = {"MASTER_ADDR": self.ip(0), "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
+        if "HVD_TERNGRAD_LINK_GBPS" not in env and self.link_gbps():
+            env["HVD_TERNGRAD_LINK_GBPS"] = f"{self.link_gbps():.3f}"
         full_env = dict(os.environ)
         full_env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                          "PATH": f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"})
@@ -359,6 +371,18 @@ class EmulatedCluster:
         bw = float(srv.communicate(timeout=30)[0].strip())
         rtt = self._rtt_ms()
         return {"profile": self.profile.name, "bandwidth_MBps": bw / 1e6, "rtt_ms": rtt, "netem": self.netem}
+
+
+def _rate_gbps(rate: str) -> float | None:
+    """A tc rate ("1gbit", "500mbit", "100kbit") in Gbit/s; None if it reads otherwise."""
+    units = {"kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            try:
+                return float(rate[: -len(unit)]) * scale
+            except ValueError:
+                return None
+    return None
 
 
 def resolve_profile(name: str | None, rate: str | None, delay_us: int) -> Profile:

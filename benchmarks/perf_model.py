@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.models import Split, build, split_of, synthetic_batch
 from benchmarks.timeline import Host, host_step_seconds
+from hvd_terngrad.auto import plan
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
 from hvd_terngrad.methods import parse_method
 from hvd_terngrad.transports import TRANSPORTS
@@ -43,10 +44,12 @@ class Codec:
     encode_Bps: float
     decode4_Bps: float  # fp32 output bytes per second, 4 ranks
 
-    def seconds(self, coded: int, n: int) -> float:
+    def seconds(self, coded: int, n: int, sharded: bool = False) -> float:
         b = 4.0 * coded
-        # decode reads n/4 bytes per rank and writes 4 per element: scale the 4-rank figure by traffic
-        dec = b / self.decode4_Bps * (16 + n) / 20
+        # decode reads n/4 bytes per rank and writes 4 per element: scale the 4-rank figure by traffic. A
+        # sharded transport's decode does not grow with n: the owner sums n slices of 1/n of the codes each,
+        # and every rank decodes the owners' replies once
+        dec = b / self.decode4_Bps * (1.0 if sharded else (16 + n) / 20)
         return b / self.moments_Bps + b / self.encode_Bps + dec
 
 
@@ -85,10 +88,40 @@ def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Lin
     raise ValueError(f"unknown method {method!r}")
 
 
+# transport="auto" in the model: groups coded with the transport of least link time among those auto may pick,
+# or sent as FP32, by hvd_terngrad.auto.plan
+AUTO_CODED = ("terngrad", "terngrad:summed", "terngrad:sharded")
+
+
+def auto_seconds(s: Split, n: int, backward: float, link: Link, codec: Codec | None, hier=None,
+                 bucket: int | None = None) -> tuple[float, float]:
+    """(link seconds, codec seconds) of transport="auto"'s plan, as hvd_terngrad.auto makes it, the window being
+    the backward time. bucket: elements a group (default: one group, as the model sends every other method:
+    a group's latency terms count once)."""
+    costs = {"floats": (comm_seconds("fp32", Split(0, 0, s.floats), n, link, hier),) * 2 + (0.0,)}
+    left, i, bucket = s.coded, 0, bucket or s.coded
+    while left > 0:
+        part = Split(min(bucket, left), max(1, round(s.tensors * min(bucket, left) / s.coded)), 0)
+        coded = {m: comm_seconds(m, part, n, link, hier) for m in AUTO_CODED}
+        best = min(coded, key=coded.get)
+        k = codec.seconds(part.coded, n, sharded="sharded" in best) if codec else 0.0
+        costs[f"bucket.{i}"] = (comm_seconds("fp32", Split(0, 0, part.coded), n, link, hier), coded[best], k)
+        left, i = left - part.coded, i + 1
+    chosen = plan(costs, backward)
+    return (sum(c if k in chosen else u for k, (u, c, _) in costs.items()),
+            sum(costs[k][2] for k in chosen))
+
+
 def step_seconds(method: str, s: Split, n: int, compute: float, backward: float, link: Link, codec: Codec | None,
                  hier=None) -> dict:
+    if method == "terngrad:auto" and n > 1:
+        comm, cod = auto_seconds(s, n, backward, link, codec, hier)
+        overlap = min(comm, backward)
+        return {"compute": compute, "codec": cod, "comm": comm, "overlap": overlap,
+                "total": compute + cod + comm - overlap}
     comm = comm_seconds(method, s, n, link, hier)
-    cod = codec.seconds(s.coded, n) if (codec and method.startswith("terngrad") and n > 1) else 0.0
+    cod = (codec.seconds(s.coded, n, sharded="sharded" in method)
+           if (codec and method.startswith("terngrad") and n > 1) else 0.0)
     overlap = min(comm, backward) if n > 1 else 0.0
     return {"compute": compute, "codec": cod, "comm": comm, "overlap": overlap,
             "total": compute + cod + comm - overlap}
@@ -203,7 +236,8 @@ def extrapolate(out_dir: Path) -> dict:
     gpus = [2**k for k in range(10)]  # 1 .. 512
     methods = {"fp32": "FP32", "terngrad": "TernGrad allgather", "terngrad:summed": "TernGrad summed",
                "terngrad:sharded": "TernGrad sharded", "terngrad:sharded-ternary": "TernGrad sharded-ternary",
-               "terngrad:sharded-ternary:hier": "TernGrad sharded-ternary, hierarchical"}
+               "terngrad:sharded-ternary:hier": "TernGrad sharded-ternary, hierarchical",
+               "terngrad:auto": "TernGrad auto"}
     fig, axes = plt.subplots(len(CLUSTERS), len(PAPER_MODELS), figsize=(15, 8), squeeze=False)
     summary = {}
     for i, (cname, cl) in enumerate(CLUSTERS.items()):
@@ -235,7 +269,9 @@ def extrapolate(out_dir: Path) -> dict:
                 "speedup_summed_512": curves["terngrad:summed"][-1] / curves["fp32"][-1],
                 "summed_beats_allgather_from_gpus": cross, "from_nodes": nodes,
                 **{f"speedup_{meth}_512": curves[meth][-1] / curves["fp32"][-1]
-                   for meth in methods if ":sharded" in meth}}
+                   for meth in methods if ":sharded" in meth},
+                "speedup_terngrad:auto_512": curves["terngrad:auto"][-1] / curves["fp32"][-1],
+                "auto_min_over_gpus": min(a / f for a, f in zip(curves["terngrad:auto"][1:], curves["fp32"][1:]))}
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Performance model: training throughput, 1 to 512 GPUs (4 per node)")
     fig.tight_layout()
@@ -323,13 +359,15 @@ def main(argv=None):
 def extrapolation_table(summary: dict) -> str:
     """Each transport's throughput over FP32's at 512 GPUs, per model and cluster."""
     lines = ["| model / cluster | allgather | summed | sharded | sharded-ternary | sharded-ternary, hierarchical | "
-             "summed beats allgather from |", "|---|---:|---:|---:|---:|---:|---|"]
+             "auto | auto, lowest at 2-512 GPUs | summed beats allgather from |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for k, v in summary.items():
         frm = ("never (<= 512)" if v["from_nodes"] is None
                else f"{v['summed_beats_allgather_from_gpus']} GPUs ({v['from_nodes']} nodes)")
         lines.append(f"| {k} | {v['speedup_terngrad_512']:.1f}x | {v['speedup_summed_512']:.1f}x | "
                      f"{v['speedup_terngrad:sharded_512']:.1f}x | {v['speedup_terngrad:sharded-ternary_512']:.1f}x | "
-                     f"{v['speedup_terngrad:sharded-ternary:hier_512']:.1f}x | {frm} |")
+                     f"{v['speedup_terngrad:sharded-ternary:hier_512']:.1f}x | {v['speedup_terngrad:auto_512']:.2f}x | "
+                     f"{v['auto_min_over_gpus']:.2f}x | {frm} |")
     return "\n".join(lines)
 
 

@@ -97,6 +97,15 @@ class Coder:
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name),
                     scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
 
+    def plain(self, name: str, grad: torch.Tensor) -> Item:
+        """The item of `grad` for a group sent uncoded (hvd_terngrad.auto): no moments, no scaler."""
+        self.check_dtype(name, grad)
+        flat = grad.detach().reshape(-1)
+        flat = flat if flat.is_contiguous() else flat.contiguous()
+        residual = self.feedback.residual(name, flat) if self.config.error_feedback else None
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=residual,
+                    tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name), scaler=0.0, nonfinite_rank=-1)
+
     def codes(self, it: Item, out: torch.Tensor | None = None) -> torch.Tensor:
         """it's packed codes (into out), with its scaler or block scalers. With error feedback the kernels code
         flat + residual and write what the coding lost back into the residual, in place."""

@@ -30,6 +30,7 @@ runs any DDP hook the safe way, and the benchmarks run PowerSGD through it.
 """
 import queue
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -120,7 +121,7 @@ class TernGradState:
             h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
         if job.coded and (h is None or h.codes(job.index)):
             more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
-            job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False,
+            job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False, ready=job.ready,
                                    what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
             pipe.progress(job.group, block=True)  # the second collective of a sharded transport
@@ -161,10 +162,11 @@ class TernGradState:
 
 
 class _Job:
-    __slots__ = ("index", "last", "buffer", "coded", "floats", "group")
+    __slots__ = ("index", "last", "buffer", "coded", "floats", "group", "ready")
 
     def __init__(self, bucket, coded, floats):
         self.index, self.last, self.buffer = bucket.index(), bucket.is_last(), bucket.buffer()
+        self.ready = time.perf_counter()  # when backward handed the bucket over (transport="auto" measures it)
         self.coded, self.floats = coded, floats
         self.group: Optional[Group] = None  # in the pipeline, once the worker started it
 

@@ -19,15 +19,18 @@ block scalers, every tensor's block scalers, in item order, go in a second Max a
 from __future__ import annotations
 
 import enum
+import time
 import warnings
 
 import torch
 
+from hvd_terngrad.auto import CARRIED, AutoPlan
 from hvd_terngrad.coder import Coder, Item
 from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import resolve_transport
+from hvd_terngrad.transports.uncoded import UNCODED
 from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
 
 STATE_VERSION = 1  # of state_dict()
@@ -52,7 +55,8 @@ class Stage(enum.Enum):
 class Group:
     """One group of tensors of one step on this rank, on its way through the pipeline."""
 
-    __slots__ = ("key", "items", "what", "stage", "send_when_shared", "scaler_handle", "transport", "handle")
+    __slots__ = ("key", "items", "what", "stage", "send_when_shared", "scaler_handle", "carries", "transport",
+                 "handle")
 
     def __init__(self, key: str, items: list[Item], what: str, send_when_shared: bool):
         self.key = key  # names its collectives, the same on every rank; keys a sharded-ternary owner's draw
@@ -61,6 +65,7 @@ class Group:
         self.stage = Stage.SHARED
         self.send_when_shared = send_when_shared  # start the transport as soon as the scalers are shared
         self.scaler_handle = None  # the scaler Max allreduce(s): (per tensor, block scalers or None)
+        self.carries = False  # its scaler vector carries transport="auto"'s measurement (hvd_terngrad.auto)
         self.transport = None
         self.handle = None  # of the transport's collectives
 
@@ -76,6 +81,7 @@ class Pipeline:
         self.comm = comm
         self.coder = Coder(config, comm.rank if rank is None else rank, comm.size if size is None else size)
         self.blocking_ok = blocking_ok
+        self.auto = AutoPlan() if config.transport == "auto" else None  # which groups to code, once measured
         comm.stats = self.coder.stats  # the waits count into this rank's stats
 
     @property
@@ -95,6 +101,9 @@ class Pipeline:
         return self.coder.stats
 
     def next_step(self) -> None:
+        if self.auto is not None:
+            cur = self.stats.current
+            self.auto.step_done(cur.time_encode + cur.time_decode, self.size, self.config.link(), self.blocking_ok)
         self.coder.next_step()
 
     def state_dict(self) -> dict:
@@ -131,14 +140,30 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------------------
     def start(self, key: str, named: list[tuple[str, torch.Tensor]], what: str | None = None,
-              send_when_shared: bool = True) -> Group:
+              send_when_shared: bool = True, ready: float | None = None) -> Group:
         """Prepare a group's tensors and start sharing their scalers; without sharing, start the transport
-        (unless send_when_shared is False: then send() does)."""
+        (unless send_when_shared is False: then send() does). A group transport="auto" sends uncoded starts
+        its average at once. ready: when the group was ready (time.perf_counter()), where that was before
+        this call, on another thread (auto measures the window backward leaves)."""
+        what = what or f"{named[0][0]!r}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
+        auto = self.auto
+        if auto is not None and auto.uncoded(key):
+            g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
+            g.transport, g.stage = UNCODED, Stage.SENDING
+            g.handle = UNCODED.start(self.comm, UNCODED.encode(self.coder, g.items), key)
+            return g
+        arrived, encoded = time.perf_counter(), self.stats.current.time_encode
         items = [self.coder.prepare(name, grad) for name, grad in named]
-        more = f" and {len(items) - 1} more" if len(items) > 1 else ""
-        g = Group(key, items, what or f"{items[0].name!r}{more}", send_when_shared)
+        g = Group(key, items, what, send_when_shared)
+        if auto is not None:
+            auto.arrived(key, sum(it.numel for it in items), len(items),
+                         sum(self.coder.scaler_bytes(it) for it in items), arrived if ready is None else ready,
+                         encoded if ready is None else None)
         if self.config.share_scaler:
             head, blocks = scaler_vectors(items, self.config.block_size)
+            if auto is not None and auto.carrying:
+                g.carries = True
+                head = torch.cat([head, torch.tensor(auto.carried(), dtype=torch.float32)])
             g.scaler_handle = (self.comm.max_allreduce_async(head, name=f"terngrad.scalers.{key}"),
                                None if blocks is None else
                                self.comm.max_allreduce_async(blocks, name=f"terngrad.block_scalers.{key}"))
@@ -169,6 +194,9 @@ class Pipeline:
         if g.stage is Stage.SCALER:
             head, blocks = g.scaler_handle
             head = self.comm.wait(head, f"the scaler Max allreduce of {g.what}")
+            if g.carries:
+                head, carried = head[:-CARRIED], head[-CARRIED:]
+                self.auto.agree(carried.cpu().tolist())
             if blocks is not None:
                 blocks = self.comm.wait(blocks, f"the block scaler Max allreduce of {g.what}")
             apply_shared(g.items, head, blocks, self.config.block_size, self.coder)
@@ -177,6 +205,8 @@ class Pipeline:
 
     def send(self, g: Group) -> None:
         """Encode g in its transport's layout and start the transport."""
+        if g.stage is Stage.SENDING:  # an uncoded group's average started with it
+            return
         self.share(g)
         t = g.transport = resolve_transport(self.config.transport, sum(it.numel for it in g.items), self.size,
                                             int8=self.blocking_ok, link=self.config.link())

@@ -1,0 +1,131 @@
+"""transport="auto", per group: code it, or send it uncoded (one fp32 average), whichever the cost model says
+makes the step shorter.
+
+Coding a group costs codec time on every rank and saves link time. Saved link time buys nothing where the
+group's float average would have hidden behind backward anyway. On a fast link (InfiniBand, the emulated
+`fast` profile), coding is then pure cost: TernGrad ran at 0.77-0.80x FP32 there (docs/time-to-accuracy.md),
+and the performance model put every transport at 0.9x FP32 on 100 Gbit/s InfiniBand at 512 GPUs. So auto
+plans, per group g (commcost's formulas on the configured link, TernGradConfig.link()):
+
+    uncoded_g   an fp32 ring allreduce of the group
+    coded_g     the cheapest transport's seconds (transports.choose_transport) plus its scaler allreduce
+    codec_g     measured seconds per coded element on this rank, times the group's elements
+    exposed     max(0, sum of link seconds - window) + sum of codec seconds of the coded groups
+
+where the window is the backward time communication hides behind. It codes the groups that save the most link
+time per codec second first and keeps the prefix with the least exposed time (fewest coded on a tie): every
+group uncoded where FP32's average hides, so as far as the model goes never slower than FP32. Groups whose
+coded cost is not below their uncoded cost are never coded. The performance model's extrapolation
+(benchmarks/perf_model.py) applies the same `plan`.
+
+Measuring and agreeing, with no collective of its own: for PLAN_STEP steps every group is coded (the
+configured transport's wire choice, as before). On the steps after the first (which warms up allocations)
+each rank measures its codec seconds per element (the stats' encode and decode time over the elements it
+coded) and its window (the first group ready to the last group ready, less its own coding in between where
+the coding ran on the same thread). On the last of those steps each coded group's scaler Max allreduce carries
+two more values, [seconds per element, -window] (wire-format.md, section 12): every rank reads the slowest
+codec and the shortest window, the same on every rank, and makes the same plan, kept from then on. The
+plan's groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group it
+has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and
+auto keeps coding every group.
+"""
+from __future__ import annotations
+
+from hvd_terngrad.commcost import Link, allreduce_time
+from hvd_terngrad.transports import TRANSPORTS, choose_transport
+from hvd_terngrad.transports.uncoded import UNCODED
+
+PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
+CARRIED = 2  # values appended to the scaler vector on that step: [codec seconds per element, -window]
+
+
+def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
+    """The keys of the groups to code. costs: key -> (uncoded link seconds, coded link seconds, codec seconds);
+    window: the seconds of link time that hide behind backward (module docstring)."""
+    worth = [k for k, (u, c, _) in costs.items() if c < u]
+    worth.sort(key=lambda k: (-(costs[k][0] - costs[k][1]) / max(costs[k][2], 1e-12), k))
+    link, codec = sum(u for u, _, _ in costs.values()), 0.0
+    best, keep = max(0.0, link - window), 0
+    for i, k in enumerate(worth, 1):
+        u, c, cod = costs[k]
+        link, codec = link - (u - c), codec + cod
+        cost = max(0.0, link - window) + codec
+        if cost < best:
+            best, keep = cost, i
+    return set(worth[:keep])
+
+
+def exposed(costs: dict[str, tuple[float, float, float]], coded: set[str], window: float) -> float:
+    """The seconds a plan adds to the step's compute: link time beyond the window, plus the coding."""
+    link = sum(c if k in coded else u for k, (u, c, _) in costs.items())
+    return max(0.0, link - window) + sum(costs[k][2] for k in coded)
+
+
+def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, link: Link, codec_s_per_element: float,
+                int8: bool) -> tuple[float, float, float]:
+    """(uncoded, coded, codec) seconds of one group of `numel` coded elements in `tensors` tensors."""
+    t = choose_transport(numel, n_workers, link, int8=int8)
+    coded = TRANSPORTS[t].seconds(numel, n_workers, link) + allreduce_time(scaler_bytes, n_workers, link)
+    return UNCODED.seconds(numel, n_workers, link), coded, codec_s_per_element * numel
+
+
+class AutoPlan:
+    """One rank's measurement and plan for transport="auto" (module docstring)."""
+
+    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "coded")
+
+    def __init__(self):
+        self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
+        self.groups: dict[str, tuple[int, int, int]] = {}  # key -> (elements, tensors, scaler bytes), this step
+        self.codec_s = 0.0  # encode + decode seconds of the measured steps
+        self.coded_numel = 0  # elements coded in the measured steps
+        self.windows: list[float] = []  # the measured steps' windows
+        self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
+        self.last: tuple[float, float] | None = None  # and its last
+        self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
+        self.coded: set[str] | None = None  # the plan: the keys to code; None until made
+
+    def uncoded(self, key: str) -> bool:
+        return self.coded is not None and key not in self.coded
+
+    @property
+    def carrying(self) -> bool:
+        """Whether this step's scaler vectors carry the measurement."""
+        return self.coded is None and self.steps == PLAN_STEP - 1
+
+    def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
+                encoded: float | None) -> None:
+        """A group to code was ready at `ready` (time.perf_counter()); encoded: the step's encode seconds by
+        then, where this thread both runs backward and codes (None: the coding runs on another thread)."""
+        if self.coded is not None:
+            return
+        self.groups[key] = (numel, tensors, scaler_bytes)
+        self.first = self.first or (ready, encoded or 0.0)
+        self.last = (ready, encoded or 0.0)
+
+    def carried(self) -> list[float]:
+        """The two values this rank appends to its scaler vectors on the carrying step."""
+        per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
+        return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
+
+    def agree(self, values: list[float]) -> None:
+        """The carried values after the Max allreduce: the slowest codec and the shortest window."""
+        per_element, window = values[0], -values[1]
+        if self.agreed is None or (per_element, window) > self.agreed:  # every group carries the same
+            self.agreed = (per_element, window)
+
+    def step_done(self, codec_s: float, size: int, link: Link, int8: bool) -> None:
+        """The end of a step: its measurement (codec_s: its encode + decode seconds), or the plan."""
+        if self.coded is not None:
+            return
+        if 1 <= self.steps < PLAN_STEP - 1 and self.groups:
+            self.codec_s += codec_s
+            self.coded_numel += sum(n for n, _, _ in self.groups.values())
+            ready, enc = self.last[0] - self.first[0], self.last[1] - self.first[1]
+            self.windows.append(max(0.0, ready - enc))
+        if self.steps == PLAN_STEP - 1 and self.agreed is not None:
+            per_element, window = self.agreed
+            costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
+            self.coded = plan(costs, window)
+        self.steps += 1
+        self.groups, self.first, self.last = {}, None, None

@@ -1,0 +1,144 @@
+"""transport="auto" codes a group only where the cost model says coding pays (hvd_terngrad.auto): the rule, the
+measurement every rank agrees on, the uncoded average, and the three front ends on real ranks."""
+import pytest
+import torch
+
+from hvd_terngrad.auto import PLAN_STEP, exposed, plan
+from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
+from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.pipeline import Pipeline, exchange
+from tests.golden import frontends as G
+from tests.mpi_harness import run_ranks
+
+
+def test_the_plan_codes_nothing_where_the_float_average_hides_behind_backward():
+    costs = {"a": (0.010, 0.001, 0.002), "b": (0.020, 0.002, 0.004)}  # (uncoded, coded, codec) seconds
+    assert plan(costs, window=0.030) == set()  # 30 ms of link time hides in 30 ms of backward
+    assert plan(costs, window=0.0) == {"a", "b"}  # nothing hides: both save more link time than they code
+    # 25 ms window, 30 ms of link: coding a (saves 9 ms for 2 ms of codec) leaves nothing exposed
+    assert plan(costs, window=0.025) == {"a"} and exposed(costs, {"a"}, 0.025) == pytest.approx(0.002)
+    assert exposed(costs, set(), 0.025) == pytest.approx(0.005)
+    # coding that costs more than the link time it saves: never
+    assert plan({"a": (0.010, 0.001, 0.012)}, window=0.0) == set()
+    # a coded transport slower than the float allreduce (small groups: latency): never, whatever the codec
+    assert plan({"a": (0.001, 0.002, 0.0)}, window=0.0) == set()
+
+
+def test_the_plan_codes_first_what_saves_most_link_time_per_codec_second():
+    costs = {"big": (0.040, 0.004, 0.010), "cheap": (0.010, 0.001, 0.001)}
+    assert plan(costs, window=0.041) == {"cheap"}  # 50 ms of link: the 9 ms "cheap" saves suffice
+    assert plan(costs, window=0.0) == {"big", "cheap"}
+
+
+def _train(gbps, steps, nan_at=None, **options):
+    """Two groups through 4 loopback ranks for `steps` steps: each step's groups and averages."""
+    n = 4
+    cfg = TernGradConfig(transport="auto", link_gbps=gbps, **options)
+    pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        named = [[(f"t{i}", torch.randn(3000 + i, generator=g)) for i in range(3)] for _ in range(n)]
+        if nan_at == step:
+            named[2][1][1][7] = float("nan")
+        for key, part in (("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3))):
+            groups, averages = exchange(pipes, key, [nm[part] for nm in named])
+            out.append((step, key, groups, averages, [nm[part] for nm in named]))
+        for p in pipes:
+            p.next_step()
+    return pipes, out
+
+
+def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_rank_plans_alike():
+    pipes, out = _train(1000.0, PLAN_STEP + 2, error_feedback=True)
+    assert all(p.auto.coded == set() for p in pipes)  # every rank the same plan, from the agreed measurement
+    agreed = {p.auto.agreed for p in pipes}
+    assert len(agreed) == 1 and next(iter(agreed))[0] > 0  # the slowest codec seconds per element, on every rank
+    for step, key, groups, averages, named in out:
+        names = {g.transport.name for g in groups}
+        if step < PLAN_STEP:
+            assert names != {"fp32"}, (step, key)  # coded while measuring
+            continue
+        assert names == {"fp32"}, (step, key)
+        exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
+        if step == PLAN_STEP:  # the residuals of the coded steps go along once, then they are zero
+            assert not torch.equal(torch.cat(averages[0]), exact)
+            assert all(float(r.abs().max()) == 0 for p in pipes for r in p.coder.feedback.worker.values())
+        else:  # bit for bit Horovod's float average
+            assert all(torch.equal(torch.cat(a), exact) for a in averages)
+
+
+def test_on_a_slow_link_auto_keeps_coding():
+    pipes, out = _train(0.01, PLAN_STEP + 2)
+    assert all(p.auto.coded == {"bucket.0", "bucket.1"} for p in pipes)
+    assert all(g.transport.name != "fp32" for _, _, groups, _, _ in out for g in groups)
+
+
+def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_coding():
+    pipes, out = _train(1000.0, PLAN_STEP + 2, share_scaler=False)
+    assert all(p.auto.coded is None for p in pipes)
+    assert all(g.transport.name == "allgather" for _, _, groups, _, _ in out for g in groups)
+
+
+def test_a_nan_in_an_uncoded_group_names_the_tensor_and_the_rank_on_every_rank():
+    pipes, out = _train(1000.0, PLAN_STEP + 1, nan_at=PLAN_STEP)
+    step, key, groups, averages, _ = out[-2]  # bucket.0 of the last step: t1 is NaN on rank 2
+    assert (step, key) == (PLAN_STEP, "bucket.0") and groups[0].transport.name == "fp32"
+    for p, g in zip(pipes, groups):
+        assert [it.nonfinite_rank for it in g.items] == [-1, 2]
+        with pytest.raises(NonFiniteGradientError, match=r"'t1' on rank 2 at step"):
+            p.coder.raise_nonfinite(p.nonfinite(g))
+    # a healthy group asks nothing more: no second collective
+    assert out[-1][2][0].handle.flags is False and out[-2][2][0].handle.flags is not False
+
+
+# ------------------------------------------------------------------------------------------
+def body_frontends_auto(port):
+    """DDP's hook, hvd_terngrad's optimizer and the stock compressor with transport="auto" on a link so fast
+    that no group is worth coding: PLAN_STEP coded steps, then float averages."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from tests.test_ddp import _close_gloo, _init_gloo
+
+    hvd.init()
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    opts = {**G.COMMON, "transport": "auto", "link_gbps": 1000.0, "error_feedback": True}
+    steps = PLAN_STEP + 2
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = TernGradState(model.named_parameters(), **opts)
+    ddp.register_comm_hook(state, terngrad_hook)
+    ref = G.Net()
+    tg = hvd_terngrad.TernGrad(**opts)
+    stock = G.Net()
+    tg_stock = hvd_terngrad.TernGrad(stock.named_parameters(), **opts)
+    runs = [(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+            (ref, hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                                    named_parameters=ref.named_parameters(), compression=tg)),
+            (stock, hvd.DistributedOptimizer(torch.optim.SGD(stock.parameters(), lr=0.1),
+                                             named_parameters=stock.named_parameters(), compression=tg_stock))]
+    for step in range(steps):
+        for net, o in runs:
+            o.zero_grad()
+            G.loss(net, rank, step).backward()
+            o.step()
+    plans = [p.auto.coded for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
+    floats = [p.stats.last.tensors_float for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
+    out = ([G.digest(m.parameters()) for m in (model, ref, stock)], plans, floats)
+    del ddp, state
+    _close_gloo()
+    return out
+
+
+@pytest.mark.mpi
+def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pay():
+    res = run_ranks("tests.test_auto:body_frontends_auto", np=2, timeout=240, args=(29691,))
+    for digests, plans, floats in res:
+        assert plans == [set(), set(), set()]
+        assert all(f > 0 for f in floats)
+        assert digests[0] == digests[1] == digests[2]  # DDP, the optimizer and the stock path: the same bits
+    assert res[0][0] == res[1][0]
