@@ -27,7 +27,7 @@ train: install
 			--profile $(LINK) -- $(PY) -m examples.train_digits 2>&1 | $(PY) scripts/rank0_report.py build/train-logs; \
 	else \
 		echo "$(NP) workers on localhost, where the link is free (no emulated link: it needs root and network namespaces)"; \
-		timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits 2>&1 \
+		timeout 600 $(VENV)/bin/horovodrun -np $(NP) $(PY) -m examples.train_digits --free-link 2>&1 \
 			| $(PY) scripts/rank0_report.py build/train-logs; \
 	fi
 

@@ -57,12 +57,12 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
     total = total if max_steps is None else min(total, max_steps)
     exclude = (task.classifier,)  # the recipe's: the classifier stays in float under TernGrad
     if m.ddp:
-        net, opt, _ = build_ddp(m, model, task.lr, seed, momentum=0.9, exclude=exclude,
-                                powersgd_start=powersgd_start(total))
+        net, opt, tg = build_ddp(m, model, task.lr, seed, momentum=0.9, exclude=exclude,
+                                 powersgd_start=powersgd_start(total))
     else:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt, _ = build_optimizer(m, model, torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9), seed,
-                                 exclude=exclude)
+        opt, tg = build_optimizer(m, model, torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9), seed,
+                                  exclude=exclude)
         net = model
     sched = schedule(opt, task, total)
     g = torch.Generator().manual_seed(10_000 + seed)  # the same batches on every rank and for every method
@@ -82,8 +82,11 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
             if step % every == 0 or step == total:  # off the clock: rank 0 evaluates, then all meet
                 curve.append((clock, step, data.evaluate(model) if rank == 0 else None))
                 hvd.allreduce(torch.zeros(1), name="tta.barrier")
+    auto = tg.pipeline.auto if tg is not None and m.transport == "auto" else None
     return {"method": method, "seed": seed, "steps": total, "seconds": clock, "final": curve[-1][2],
-            "curve": curve, "powersgd_start": powersgd_start(total) if m.compression == "powersgd" else None}
+            "curve": curve, "powersgd_start": powersgd_start(total) if m.compression == "powersgd" else None,
+            # transport="auto": the groups its plan codes (the others go as fp32 averages)
+            "auto_coded": None if auto is None or auto.coded is None else sorted(auto.coded)}
 
 
 def worker(args) -> int:

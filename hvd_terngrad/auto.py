@@ -3,9 +3,9 @@ makes the step shorter.
 
 Coding a group costs codec time on every rank and saves link time. Saved link time buys nothing where the
 group's float average would have hidden behind backward anyway. On a fast link (InfiniBand, the emulated
-`fast` profile), coding is then pure cost: TernGrad ran at 0.77-0.80x FP32 there (docs/time-to-accuracy.md),
-and the performance model put every transport at 0.9x FP32 on 100 Gbit/s InfiniBand at 512 GPUs. So auto
-plans, per group g (commcost's formulas on the configured link, TernGradConfig.link()):
+`fast` profile), coding is then pure cost, and TernGrad was slower than FP32 there (measured and modelled:
+docs/transports.md, "Auto: never slower than FP32"). So auto plans, per group g (commcost's formulas on the
+configured link, TernGradConfig.link()):
 
     uncoded_g   an fp32 ring allreduce of the group
     coded_g     the cheapest transport's seconds (transports.choose_transport) plus its scaler allreduce
@@ -23,7 +23,7 @@ configured transport's wire choice, as before). On the steps after the first (wh
 each rank measures its codec seconds per element (the stats' encode and decode time over the elements it
 coded) and its window (the first group ready to the last group ready, less its own coding in between where
 the coding ran on the same thread). On the last of those steps each coded group's scaler Max allreduce carries
-two more values, [seconds per element, -window] (wire-format.md, section 12): every rank reads the slowest
+two more values, [seconds per element, -window] (docs/wire-format.md, section 9): every rank reads the slowest
 codec and the shortest window, the same on every rank, and makes the same plan, kept from then on. The
 plan's groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group it
 has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and

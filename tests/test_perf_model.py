@@ -42,6 +42,21 @@ def test_overlap_never_exceeds_backward_or_comm():
     assert st["total"] == pytest.approx(0.3 + st["comm"] - 0.2)
 
 
+def test_auto_is_never_below_fp32_at_1_to_512_gpus_and_codes_where_the_link_is_slow():
+    for cl in CLUSTERS.values():
+        for m in PAPER_MODELS.values():
+            s = Split(int(m["params"] * 0.999), 20, int(m["params"] * 0.001))
+            compute = m["batch"] / m["img_s"]
+            for n in (2**k for k in range(1, 10)):
+                args = (s, n, compute, compute * 2 / 3, cl["inter"], GPU_CODEC, (cl["gpus_per_node"], cl["intra"]))
+                auto, fp32 = step_seconds("terngrad:auto", *args), step_seconds("fp32", *args)
+                assert auto["total"] <= fp32["total"] * (1 + 1e-12), (n, m)
+                if n == 512 and cl["inter"].bandwidth < 1e9:  # 1 Gbit/s between 128 nodes: coding pays
+                    assert auto["total"] < 0.8 * fp32["total"] and auto["codec"] > 0
+                if cl["inter"].bandwidth > 1e10 and fp32["comm"] < fp32["overlap"] + 1e-12:
+                    assert auto["codec"] == 0.0  # FP32's average hides behind backward: nothing coded
+
+
 def test_paper_inputs_are_named_and_positive():
     assert set(PAPER_MODELS) == {"AlexNet", "GoogLeNet", "VGG-A"}
     assert all(m["params"] > 1e6 and m["img_s"] > 0 for m in PAPER_MODELS.values())
