@@ -111,6 +111,8 @@ class TernGradState:
 
     def _finish(self, job: "_Job") -> torch.Tensor:
         pipe, comm, h = self.pipeline, self.world, self.hierarchy
+        if h is None and job.floats and pipe.sends_uncoded(f"bucket.{job.index}"):  # one fp32 average, in place
+            job.coded, job.floats = job.coded + job.floats, []
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
         floats = None
         if job.floats:  # one float average of the bucket's uncoded tensors

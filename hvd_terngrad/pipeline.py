@@ -100,6 +100,10 @@ class Pipeline:
     def stats(self):
         return self.coder.stats
 
+    def sends_uncoded(self, key: str) -> bool:
+        """Whether transport="auto"'s plan sends the group `key` as one fp32 average (hvd_terngrad.auto)."""
+        return self.auto is not None and self.auto.uncoded(key)
+
     def next_step(self) -> None:
         if self.auto is not None:
             cur = self.stats.current
@@ -147,7 +151,7 @@ class Pipeline:
         this call, on another thread (auto measures the window backward leaves)."""
         what = what or f"{named[0][0]!r}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
         auto = self.auto
-        if auto is not None and auto.uncoded(key):
+        if self.sends_uncoded(key):
             g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
             g.transport, g.stage = UNCODED, Stage.SENDING
             g.handle = UNCODED.start(self.comm, UNCODED.encode(self.coder, g.items), key)

@@ -43,7 +43,8 @@ def _train(gbps, steps, nan_at=None, **options):
         if nan_at == step:
             named[2][1][1][7] = float("nan")
         for key, part in (("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3))):
-            groups, averages = exchange(pipes, key, [nm[part] for nm in named])
+            sent = [[(name, t.clone()) for name, t in nm[part]] for nm in named]  # the residuals go into these
+            groups, averages = exchange(pipes, key, sent)
             out.append((step, key, groups, averages, [nm[part] for nm in named]))
         for p in pipes:
             p.next_step()
@@ -142,3 +143,23 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
         assert all(f > 0 for f in floats)
         assert digests[0] == digests[1] == digests[2]  # DDP, the optimizer and the stock path: the same bits
     assert res[0][0] == res[1][0]
+
+
+def test_a_group_in_one_buffer_is_averaged_in_place_and_a_nan_there_still_names_its_rank():
+    n, steps = 4, PLAN_STEP + 2
+    cfg = TernGradConfig(transport="auto", link_gbps=1000.0, min_numel=1)
+    pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        buffers = [torch.randn(5000, generator=g) for _ in range(n)]  # as a DDP bucket: views of one buffer
+        if step == steps - 1:
+            buffers[3][4000] = float("inf")
+        exact = horovod_average(buffers)
+        named = [[("a", b[:3000]), ("b", b[3000:])] for b in buffers]
+        groups, averages = exchange(pipes, "bucket.0", named)
+        for p in pipes:
+            p.next_step()
+    assert groups[0].transport.name == "fp32"
+    assert all(a.data_ptr() == b[:3000].data_ptr() for (a, _), b in zip(averages, buffers))  # in place
+    assert all(torch.equal(b[:3000], exact[:3000]) for b in buffers)
+    assert all([it.nonfinite_rank for it in g.items] == [-1, 3] for g in groups)

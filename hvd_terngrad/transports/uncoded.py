@@ -2,9 +2,11 @@
 (hvd_terngrad.auto). Not a transport a user names: it codes nothing, so it is not in TRANSPORTS.
 
 With error feedback the residual goes along (g + r is averaged) and is then zero: nothing of it is lost. A
-non-finite gradient makes the average non-finite on every rank alike; only then does a second collective
-run, a Max allreduce of which rank's tensor was non-finite, so that the error names the tensor and the rank as
-the coded path's does, at no cost in a healthy step.
+group whose gradients lie back to back in one fp32 buffer (a DDP bucket) is averaged in place, as DDP's own
+allreduce does; any other is copied into one tensor first. A non-finite gradient makes the average
+non-finite on every rank alike; only then does a second collective run, a Max allreduce of which rank's
+tensor was non-finite, so that the error names the tensor and the rank as the coded path's does. In place,
+a rank checks its buffer before the average (one read); a copy can be checked after, in a bad step only.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from hvd_terngrad.transports.base import Transport, destination
 class _Sending:
     """An uncoded group in flight: its average, then (only if non-finite) which ranks were non-finite."""
 
-    __slots__ = ("items", "rank", "key", "average", "result", "flags")
+    __slots__ = ("items", "rank", "key", "average", "result", "mine", "flags")
 
     def __init__(self, items, rank: int, key: str, average):
         self.items, self.rank, self.key = items, rank, key
         self.average = average  # the allreduce's handle
         self.result: torch.Tensor | None = None  # the average, once waited for
+        self.mine: torch.Tensor | None = None  # this rank's non-finite flags, where known before the average
         self.flags = None  # the non-finite Max allreduce's handle, or False where the average is finite
 
 
@@ -33,25 +36,31 @@ class Uncoded(Transport):
     auto_ok = False  # chosen by auto's plan (hvd_terngrad.auto), which weighs the codec time too
 
     def encode(self, coder, items):
-        """The group's gradients (plus residuals) back to back in fp32; the residuals are then zero. The
-        items go along: a non-finite average asks which of them were non-finite here."""
-        dev = items[0].flat.device if items else torch.device("cpu")
-        payload = torch.empty(sum(it.numel for it in items), dtype=torch.float32, device=dev)
-        off = 0
+        """The group's gradients (plus residuals, which are then zero) as one fp32 tensor to average: in place
+        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. The items go along: a
+        non-finite average asks which of them were non-finite here, which a copy can tell afterwards and in
+        place must be known before."""
         for it in items:
-            it.offset = off
-            part = payload[off: off + it.numel]
-            part.copy_(it.flat)
             if it.residual is not None:
-                part += it.residual
+                it.flat += it.residual  # the gradient is averaged over anyway
                 it.residual.zero_()
             coder.stats.add_float(it.numel * 4, coder.size)
-            off += it.numel
-        return payload, items, coder.rank
+        values = _span(items)
+        flags = None
+        if values is None:
+            values = torch.cat([it.flat.reshape(-1).float() for it in items])
+        elif not bool(torch.isfinite(values).all()):
+            flags = _nonfinite(items, coder.rank)
+        off = 0
+        for it in items:
+            it.offset, off = off, off + it.numel
+        return values, items, coder.rank, flags
 
     def start(self, comm, payload, key):
-        values, items, rank = payload
-        return _Sending(items, rank, key, comm.average_async_(values, name=f"terngrad.fp32.{key}"))
+        values, items, rank, flags = payload
+        sending = _Sending(items, rank, key, comm.average_async_(values, name=f"terngrad.fp32.{key}"))
+        sending.mine = flags
+        return sending
 
     def advance(self, comm, handle, what, block):
         """Once the average is here: if it is non-finite, start asking which ranks were."""
@@ -61,9 +70,8 @@ class Uncoded(Transport):
         if bool(torch.isfinite(handle.result).all()):
             handle.flags = False
             return False
-        mine = [float(handle.rank + 1) if not bool(torch.isfinite(it.flat).all()) else 0.0 for it in handle.items]
-        handle.flags = comm.max_allreduce_async(torch.tensor(mine, dtype=torch.float32),
-                                                name=f"terngrad.fp32.nonfinite.{handle.key}")
+        mine = handle.mine if handle.mine is not None else _nonfinite(handle.items, handle.rank)
+        handle.flags = comm.max_allreduce_async(mine, name=f"terngrad.fp32.nonfinite.{handle.key}")
         return True
 
     def finish(self, comm, handle, what):
@@ -79,7 +87,9 @@ class Uncoded(Transport):
         for i, it in enumerate(items):
             part = received[it.offset: it.offset + it.numel]
             dst = destination(outs, i)
-            out.append(part if dst is None else dst.copy_(part))
+            if dst is not None and dst.data_ptr() != part.data_ptr():
+                dst.copy_(part)
+            out.append(part if dst is None else dst)
         return out
 
     def submitted_bytes(self, numel, tensors):
@@ -93,3 +103,20 @@ class Uncoded(Transport):
 
 
 UNCODED = Uncoded()
+
+
+def _span(items) -> torch.Tensor | None:
+    """The items' gradients as one fp32 view, where they lie back to back in one buffer, else None."""
+    first = items[0].flat
+    ptr = first.data_ptr()
+    for it in items:
+        if it.flat.dtype != torch.float32 or not it.flat.is_contiguous() or it.flat.data_ptr() != ptr:
+            return None
+        ptr += 4 * it.numel
+    return first.as_strided((sum(it.numel for it in items),), (1,))
+
+
+def _nonfinite(items, rank: int) -> torch.Tensor:
+    """Per item, rank + 1 where this rank's gradient is non-finite, else 0 (fp32, for a Max allreduce)."""
+    return torch.tensor([float(rank + 1) if not bool(torch.isfinite(it.flat).all()) else 0.0 for it in items],
+                        dtype=torch.float32)
