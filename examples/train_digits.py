@@ -113,7 +113,7 @@ def link_ms(method: str, size: int) -> float:
     return comm_seconds(name, split_of(DigitsCNN()), size, Link()) * 1e3
 
 
-def table(results: list[dict], free_link: bool = False) -> str:
+def table(results: list[dict], workers: int, free_link: bool = False) -> str:
     goal, reach = time_to_fp32(results)
     more = " step here | predicted on 1 Gbit/s |" if free_link else ""
     rows = ["| method | workers | final test acc | bytes/step sent per worker | ratio | train time | "
@@ -122,9 +122,9 @@ def table(results: list[dict], free_link: bool = False) -> str:
         t = reach.get(r["method"])
         to = "" if goal is None else ("not reached" if t is None else f"{t:.1f} s")
         step = 1e3 * r["seconds"] / r["steps"]
-        rows.append(f"| {r['method']} | {hvd.size()} | {r['final_acc']:.2f}% | {r['bytes_per_step']:,.0f} | "
+        rows.append(f"| {r['method']} | {workers} | {r['final_acc']:.2f}% | {r['bytes_per_step']:,.0f} | "
                     f"{r['ratio']:.1f}x | {r['seconds']:.1f} s | {to} |"
-                    + (f" {step:.1f} ms | {step + link_ms(r['method'], hvd.size()):.1f} ms |" if free_link else ""))
+                    + (f" {step:.1f} ms | {step + link_ms(r['method'], workers):.1f} ms |" if free_link else ""))
     if goal is not None:
         rows.append(f"\nTimes are training only (evaluation off the clock); FP32's accuracy less 0.5 pp: "
                     f"{goal:.2f}%, checked after each epoch.")
@@ -161,7 +161,7 @@ def main(argv=None):
     # every worker must end with the same parameters: compare their digests
     digests = hvd.allgather_object([r["param_sha256"] for r in results], name="train_digits.params")
     if hvd.rank() == 0:
-        print("\n" + table(results, args.free_link), flush=True)
+        print("\n" + table(results, hvd.size(), args.free_link), flush=True)
         print(f"This CNN sends {dense_bytes(DigitsCNN()):,} bytes of gradient a step: too few for the link to cost "
               "much, so TernGrad's coding costs more than it saves here. Where the bytes matter (LeNet-5 on 1 "
               "Gbit/s) it reaches FP32's accuracy 1.6x sooner: docs/time-to-accuracy.md.", flush=True)

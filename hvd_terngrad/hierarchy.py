@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hvd_terngrad.finite import nonfinite
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -89,7 +91,7 @@ class Hierarchy:
         element tells (a scan of a large tensor costs as much as its broadcast). One node: its float average
         was the whole exchange, so the check is a scan."""
         if self.cross is None:
-            return [name for _, name, t in coded if not bool(torch.isfinite(t).all())]
+            return [coded[i][1] for i in nonfinite([t for _, _, t in coded])]
         for _, name, t in coded:
             if name in bad:
                 t.fill_(float("nan"))

@@ -27,6 +27,7 @@ import torch
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.finite import nonfinite
 from hvd_terngrad.pipeline import Group, Stage
 
 
@@ -79,9 +80,8 @@ class _Uncoded:
                 bad.append(name_of[p])
         for p, h in self.floats.items():
             self.world.wait(h, f"the float average of {name_of[p]!r}")
-            if not bool(torch.isfinite(grad_of(p)).all()):
-                bad.append(name_of[p])
-        return bad
+        floats = list(self.floats)
+        return bad + [name_of[floats[i]] for i in nonfinite([grad_of(p) for p in floats])]
 
 
 class _StepProtocol:

@@ -67,3 +67,18 @@ def test_the_worker_trains_every_kind_of_method_on_two_ranks(tmp_path):
         clocks = [c[0] for c in r["curve"]]
         assert clocks == sorted(clocks) and len(clocks) == 3 and r["curve"][-1][1] == 24  # start, step 15, end
         assert r["final"] > r["curve"][0][2] + 20  # 24 steps of LeNet-5 learn: from chance to well above it
+
+
+def test_the_main_jobs_table_on_localhost_adds_the_cost_models_step_on_1_gbit():
+    from examples.train_digits import link_ms, table
+
+    def run(method, seconds):
+        return {"method": method, "final_acc": 97.0, "bytes_per_step": 1000, "ratio": 1.0, "seconds": seconds,
+                "steps": 100, "history": [{"seconds": seconds, "test_acc": 97.0}]}
+
+    text = table([run("fp32", 1.0), run("terngrad", 2.0)], 2, free_link=True)
+    assert "| step here | predicted on 1 Gbit/s |" in text and "link is free" in text
+    # FP32 sends 16x the coded bytes (this small CNN's latency terms and float tensors narrow the gap)
+    assert link_ms("fp32", 2) > 2 * link_ms("terngrad", 2) > 0
+    assert f"| 10.0 ms | {10 + link_ms('fp32', 2):.1f} ms |" in text
+    assert "predicted" not in table([run("fp32", 1.0)], 2)

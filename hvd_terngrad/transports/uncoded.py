@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hvd_terngrad.commcost import allreduce_bytes, allreduce_time
+from hvd_terngrad.finite import nonfinite
 from hvd_terngrad.transports.base import Transport, destination
 
 
@@ -49,7 +50,7 @@ class Uncoded(Transport):
         flags = None
         if values is None:
             values = torch.cat([it.flat.reshape(-1).float() for it in items])
-        elif not bool(torch.isfinite(values).all()):
+        elif nonfinite([values]):
             flags = _nonfinite(items, coder.rank)
         off = 0
         for it in items:
@@ -67,7 +68,7 @@ class Uncoded(Transport):
         if handle.flags is not None or not (block or comm.poll(handle.average)):
             return False
         handle.result = comm.wait(handle.average, f"the fp32 average of {what}")
-        if bool(torch.isfinite(handle.result).all()):
+        if not nonfinite([handle.result]):
             handle.flags = False
             return False
         mine = handle.mine if handle.mine is not None else _nonfinite(handle.items, handle.rank)
@@ -118,5 +119,6 @@ def _span(items) -> torch.Tensor | None:
 
 def _nonfinite(items, rank: int) -> torch.Tensor:
     """Per item, rank + 1 where this rank's gradient is non-finite, else 0 (fp32, for a Max allreduce)."""
-    return torch.tensor([float(rank + 1) if not bool(torch.isfinite(it.flat).all()) else 0.0 for it in items],
-                        dtype=torch.float32)
+    flags = torch.zeros(len(items), dtype=torch.float32)
+    flags[nonfinite([it.flat for it in items])] = float(rank + 1)
+    return flags
