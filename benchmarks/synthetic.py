@@ -104,8 +104,8 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
            "bytes_per_step": bytes_per_step(model, method, tg),
            "wire_tx_per_step": (tx1 - tx0) / (iters * per_iter), "wire_rx_per_step": (rx1 - rx0) / (iters * per_iter)}
     auto = tg.pipeline.auto if tg is not None and method.transport == "auto" else None
-    if auto is not None:  # the groups transport="auto" codes; the others go as fp32 averages
-        res["auto_coded"] = None if auto.coded is None else sorted(auto.coded)
+    if auto is not None:  # what transport="auto" tried and kept
+        res["auto"] = auto.summary()
     if phases:
         keys = ("time_encode", "time_comm", "time_decode", "cpu_encode", "cpu_comm", "cpu_decode")
         res.update({k: statistics.mean(p[i] for p in phases) for i, k in enumerate(keys)})

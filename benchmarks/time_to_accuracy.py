@@ -85,8 +85,7 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
     auto = tg.pipeline.auto if tg is not None and m.transport == "auto" else None
     return {"method": method, "seed": seed, "steps": total, "seconds": clock, "final": curve[-1][2],
             "curve": curve, "powersgd_start": powersgd_start(total) if m.compression == "powersgd" else None,
-            # transport="auto": the groups its plan codes (the others go as fp32 averages)
-            "auto_coded": None if auto is None or auto.coded is None else sorted(auto.coded)}
+            "auto": None if auto is None else auto.summary()}  # transport="auto": what it tried and kept
 
 
 def worker(args) -> int:

@@ -18,25 +18,34 @@ group uncoded where FP32's average hides, so as far as the model goes never slow
 coded cost is not below their uncoded cost are never coded. The performance model's extrapolation
 (benchmarks/perf_model.py) applies the same `plan`.
 
-Measuring and agreeing, with no collective of its own: for PLAN_STEP steps every group is coded (the
-configured transport's wire choice, as before). On the steps after the first (which warms up allocations)
-each rank measures its codec seconds per element (the stats' encode and decode time over the elements it
-coded) and its window (the first group ready to the last group ready, less its own coding in between where
-the coding ran on the same thread). On the last of those steps each coded group's scaler Max allreduce carries
-two more values, [seconds per element, -window] (docs/wire-format.md, section 9): every rank reads the slowest
-codec and the shortest window, the same on every rank, and makes the same plan, kept from then on. The
-plan's groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group it
-has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and
-auto keeps coding every group.
+Measuring and agreeing, with no collective of its own (the steps: AutoPlan's docstring):
+- For PLAN_STEP steps every group is coded (the wire choice, as before). On the steps after the first (which
+  warms up allocations) each rank measures its codec seconds per element (the stats' encode and decode time
+  over the elements it coded), its window (the first group ready to the last group ready, less its own coding
+  in between where that ran on the same thread) and its step time.
+- On the last of those steps each coded group's scaler Max allreduce carries two more values, [seconds per
+  element, -window] (docs/wire-format.md, section 9): every rank reads the slowest codec and the shortest
+  window, and makes the same plan.
+- The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
+  front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed. A coded step then carries
+  both kinds' fastest step on each rank, and every rank keeps the plan only if its slowest rank's tried step
+  was faster than its slowest rank's coded step; else every group is coded from then on.
+The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group the plan
+has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and auto
+keeps coding every group.
 """
 from __future__ import annotations
+
+import time
 
 from hvd_terngrad.commcost import Link, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.transports.uncoded import UNCODED
 
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
-CARRIED = 2  # values appended to the scaler vector on that step: [codec seconds per element, -window]
+TRIAL_STEPS = 2  # steps the model's plan is tried before the verdict
+VERDICT_STEP = PLAN_STEP + TRIAL_STEPS  # a coded step that carries both step times; the faster plan is kept
+CARRIED = 2  # values appended to the scaler vector on a carrying step
 
 
 def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
@@ -70,9 +79,17 @@ def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, lin
 
 
 class AutoPlan:
-    """One rank's measurement and plan for transport="auto" (module docstring)."""
+    """One rank's measurement, plan and verdict for transport="auto" (module docstring). Its steps:
 
-    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "coded")
+        0                   coded (allocations warm up)
+        1 .. PLAN_STEP-2    coded; codec seconds per element, the window and the step time measured
+        PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the model's plan
+        the TRIAL_STEPS     the model's plan tried, its step time measured
+        VERDICT_STEP        coded; the scaler vectors carry [coded step, tried step]; the faster is kept
+    """
+
+    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trial",
+                 "times", "step_end", "verdict", "coded")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -83,49 +100,90 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.coded: set[str] | None = None  # the plan: the keys to code; None until made
+        self.trial: set[str] | None = None  # the model's plan, tried for TRIAL_STEPS steps
+        self.times: dict[str, list[float]] = {"coded": [], "trial": []}  # step seconds, this rank
+        self.step_end: float | None = None  # when the last step ended (time.perf_counter())
+        self.verdict: tuple[float, float] | None = None  # (coded, tried) step seconds, the same on every rank
+        self.coded: set[str] | None = None  # the keys coded now; None: every group (the plan is not in force)
 
     def uncoded(self, key: str) -> bool:
         return self.coded is not None and key not in self.coded
 
+    def summary(self) -> dict:
+        """What the benchmarks record: the plan tried, the step seconds that judged it, what is in force."""
+        return {"tried_coding": None if self.trial is None else sorted(self.trial),
+                "step_seconds_coded_tried": self.verdict,
+                "uncoded_now": self.coded is not None}
+
+    @property
+    def decided(self) -> bool:
+        return self.steps > VERDICT_STEP
+
     @property
     def carrying(self) -> bool:
-        """Whether this step's scaler vectors carry the measurement."""
-        return self.coded is None and self.steps == PLAN_STEP - 1
+        """Whether this step's scaler vectors carry a measurement."""
+        return self.steps in (PLAN_STEP - 1, VERDICT_STEP)
 
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
                 encoded: float | None) -> None:
         """A group to code was ready at `ready` (time.perf_counter()); encoded: the step's encode seconds by
         then, where this thread both runs backward and codes (None: the coding runs on another thread)."""
-        if self.coded is not None:
+        if self.steps >= PLAN_STEP:
             return
         self.groups[key] = (numel, tensors, scaler_bytes)
         self.first = self.first or (ready, encoded or 0.0)
         self.last = (ready, encoded or 0.0)
 
     def carried(self) -> list[float]:
-        """The two values this rank appends to its scaler vectors on the carrying step."""
+        """The two values this rank appends to its scaler vectors on a carrying step."""
+        if self.steps == VERDICT_STEP:  # the fastest step of each kind: one-off costs and noise stay out
+            return [min(self.times["coded"]), min(self.times["trial"])]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
     def agree(self, values: list[float]) -> None:
-        """The carried values after the Max allreduce: the slowest codec and the shortest window."""
-        per_element, window = values[0], -values[1]
-        if self.agreed is None or (per_element, window) > self.agreed:  # every group carries the same
-            self.agreed = (per_element, window)
+        """The carried values after the Max allreduce (every group carries the same): the slowest codec and
+        the shortest window; or each kind's step on the slowest rank."""
+        if self.steps == VERDICT_STEP:
+            self.verdict = (values[0], values[1])
+        else:
+            self.agreed = (values[0], -values[1])
 
-    def step_done(self, codec_s: float, size: int, link: Link, int8: bool) -> None:
-        """The end of a step: its measurement (codec_s: its encode + decode seconds), or the plan."""
-        if self.coded is not None:
+    def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
+        """The end of a step (codec_s: its encode + decode seconds): its measurement, the plan to try, or the
+        verdict. now: the time (tests)."""
+        if self.decided:
             return
-        if 1 <= self.steps < PLAN_STEP - 1 and self.groups:
+        now = time.perf_counter() if now is None else now
+        s, took = self.steps, None if self.step_end is None else now - self.step_end
+        self.step_end = now
+        if took is not None:
+            self.times["trial" if self.trial is not None and s < VERDICT_STEP else "coded"].append(took)
+        if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
             ready, enc = self.last[0] - self.first[0], self.last[1] - self.first[1]
             self.windows.append(max(0.0, ready - enc))
-        if self.steps == PLAN_STEP - 1 and self.agreed is not None:
-            per_element, window = self.agreed
-            costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
-            self.coded = plan(costs, window)
+        if s == PLAN_STEP - 1:
+            self._plan(size, link, int8)
+        elif s == VERDICT_STEP - 1:
+            self.coded = None  # the verdict's step is coded
+        elif s == VERDICT_STEP:
+            tried = self.trial is not None and self.verdict is not None and self.verdict[1] < self.verdict[0]
+            self.coded = self.trial if tried else None
         self.steps += 1
         self.groups, self.first, self.last = {}, None, None
+
+    def _plan(self, size: int, link: Link, int8: bool) -> None:
+        """The model's plan from the agreed measurement, to try; none (every group coded from now on) where
+        nothing was measured or the plan codes every group anyway."""
+        if self.agreed is not None:
+            per_element, window = self.agreed
+            costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
+            chosen = plan(costs, window)
+            if chosen != set(costs):
+                self.trial = self.coded = chosen
+                if TRIAL_STEPS == 0:  # tests: the model's plan, untried
+                    self.steps = VERDICT_STEP
+                return
+        self.steps = VERDICT_STEP  # decided: every group coded

@@ -3,7 +3,9 @@ measurement every rank agrees on, the uncoded average, and the three front ends 
 import pytest
 import torch
 
-from hvd_terngrad.auto import PLAN_STEP, exposed, plan
+import hvd_terngrad.auto as auto
+from hvd_terngrad.auto import PLAN_STEP, VERDICT_STEP, AutoPlan, exposed, plan
+from hvd_terngrad.commcost import Link
 from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import NonFiniteGradientError
@@ -31,6 +33,41 @@ def test_the_plan_codes_first_what_saves_most_link_time_per_codec_second():
     assert plan(costs, window=0.0) == {"big", "cheap"}
 
 
+@pytest.fixture
+def untried(monkeypatch):
+    """The model's plan in force at once, untried: the tests below are about the plan, not about timing."""
+    monkeypatch.setattr(auto, "TRIAL_STEPS", 0)
+
+
+def _steps(p: AutoPlan, seconds: list[float], size=4, link=Link(12.5e9)) -> None:
+    """Steps of one bucket of 10^6 elements through `p` alone, step k taking seconds[k]; the carried values
+    agreed as if every rank carried this rank's."""
+    clock = 0.0
+    for took in seconds:
+        clock += took
+        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
+        if p.carrying:
+            p.agree(p.carried())
+        p.step_done(2e-3, size, link, int8=False, now=clock)
+
+
+def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
+    fast, slow = AutoPlan(), AutoPlan()
+    # coded steps 0..PLAN_STEP-1 take 10 ms; the tried (uncoded) steps 5 ms or 20 ms; the verdict step coded
+    _steps(fast, [0.010] * PLAN_STEP + [0.005] * (VERDICT_STEP - PLAN_STEP) + [0.010] * 3)
+    _steps(slow, [0.010] * PLAN_STEP + [0.020] * (VERDICT_STEP - PLAN_STEP) + [0.010] * 3)
+    for p in (fast, slow):
+        assert p.decided and p.summary()["tried_coding"] == []  # 100 Gbit/s, a 2 ms codec: nothing coded
+    assert fast.verdict == pytest.approx((0.010, 0.005)) and fast.uncoded("bucket.0")
+    assert slow.verdict == pytest.approx((0.010, 0.020)) and not slow.uncoded("bucket.0")
+
+
+def test_a_plan_that_codes_everything_is_not_tried():
+    p = AutoPlan()
+    _steps(p, [0.010] * (PLAN_STEP + 1), link=Link(1e6))  # 8 Mbit/s: every group coded
+    assert p.decided and p.trial is None and not p.uncoded("bucket.0")
+
+
 def _train(gbps, steps, nan_at=None, **options):
     """Two groups through 4 loopback ranks for `steps` steps: each step's groups and averages."""
     n = 4
@@ -51,7 +88,7 @@ def _train(gbps, steps, nan_at=None, **options):
     return pipes, out
 
 
-def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_rank_plans_alike():
+def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_rank_plans_alike(untried):
     pipes, out = _train(1000.0, PLAN_STEP + 2, error_feedback=True)
     assert all(p.auto.coded == set() for p in pipes)  # every rank the same plan, from the agreed measurement
     agreed = {p.auto.agreed for p in pipes}
@@ -70,19 +107,19 @@ def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_r
             assert all(torch.equal(torch.cat(a), exact) for a in averages)
 
 
-def test_on_a_slow_link_auto_keeps_coding():
+def test_on_a_slow_link_auto_keeps_coding(untried):
     pipes, out = _train(0.01, PLAN_STEP + 2)
-    assert all(p.auto.coded == {"bucket.0", "bucket.1"} for p in pipes)
+    assert all(p.auto.decided and p.auto.coded is None for p in pipes)
     assert all(g.transport.name != "fp32" for _, _, groups, _, _ in out for g in groups)
 
 
-def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_coding():
+def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_coding(untried):
     pipes, out = _train(1000.0, PLAN_STEP + 2, share_scaler=False)
     assert all(p.auto.coded is None for p in pipes)
     assert all(g.transport.name == "allgather" for _, _, groups, _, _ in out for g in groups)
 
 
-def test_a_nan_in_an_uncoded_group_names_the_tensor_and_the_rank_on_every_rank():
+def test_a_nan_in_an_uncoded_group_names_the_tensor_and_the_rank_on_every_rank(untried):
     pipes, out = _train(1000.0, PLAN_STEP + 1, nan_at=PLAN_STEP)
     step, key, groups, averages, _ = out[-2]  # bucket.0 of the last step: t1 is NaN on rank 2
     assert (step, key) == (PLAN_STEP, "bucket.0") and groups[0].transport.name == "fp32"
@@ -104,6 +141,7 @@ def body_frontends_auto(port):
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
     from tests.test_ddp import _close_gloo, _init_gloo
 
+    hvd_terngrad.auto.TRIAL_STEPS = 0  # the plan untried: this is about the front ends, not timing
     hvd.init()
     rank = _init_gloo(port)
     torch.set_num_threads(1)
@@ -145,7 +183,7 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
     assert res[0][0] == res[1][0]
 
 
-def test_a_group_in_one_buffer_is_averaged_in_place_and_a_nan_there_still_names_its_rank():
+def test_a_group_in_one_buffer_is_averaged_in_place_and_a_nan_there_still_names_its_rank(untried):
     n, steps = 4, PLAN_STEP + 2
     cfg = TernGradConfig(transport="auto", link_gbps=1000.0, min_numel=1)
     pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]

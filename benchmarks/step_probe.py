@@ -1,0 +1,88 @@
+"""The median step of each method on a fidelity-suite task, with TernGrad's phase times: where a front end's
+own time goes, beside Horovod's and DDP's FP32.
+
+    python -m benchmarks.cluster run --nodes 4 --profile fast -- \\
+        python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
+
+Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
+tensor left in float, nothing coded (the front end's own cost). Each method trains --steps steps on a fixed
+batch per rank; the median is over all but the first 50. Rank 0 prints a line per method.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+
+def build(method: str, model, data):
+    """(module to call, optimizer, TernGrad's compressor or hook state or None)."""
+    import torch
+
+    import hvd_terngrad
+    from hvd_terngrad.methods import build_ddp, build_optimizer, parse_method
+
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if method == "float":
+        tg = hvd_terngrad.TernGrad(min_numel=2**62)
+        return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                                        compression=tg), tg
+    m = parse_method(method)
+    if m.ddp:
+        return build_ddp(m, model, 0.01, 0, momentum=0.9, exclude=(data.task.classifier,))
+    opt, tg = build_optimizer(m, model, sgd, 0, exclude=(data.task.classifier,))
+    return model, opt, tg
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="ncf")
+    ap.add_argument("--methods", default="fp32,float,terngrad:auto")
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args(argv)
+
+    import horovod.torch as hvd
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.fidelity_suite import TASKS, Data
+
+    hvd.init()
+    torch.set_num_threads(1)
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
+    data = Data(TASKS[args.task])
+    idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
+    for method in args.methods.split(","):
+        torch.manual_seed(0)
+        model = data.model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        net, opt, tg = build(method, model, data)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            data.loss(net, idx).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        line = f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms"
+        stats = getattr(tg, "stats", None)
+        if stats is not None and stats.history:
+            h = stats.history[50:]
+            line += "; TernGrad's encode / waits / decode " + " / ".join(
+                f"{1e3 * statistics.mean(getattr(s, k) for s in h):.2f}" for k in
+                ("time_encode", "time_comm", "time_decode")) + " ms"
+        if hvd.rank() == 0:
+            print(line, flush=True)
+        del net, opt, tg
+    dist.barrier()
+    gc.collect()  # DDP modules before their process group (an abort at exit otherwise)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
