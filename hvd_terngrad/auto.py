@@ -4,7 +4,7 @@ makes the step shorter.
 Coding a group costs codec time on every rank and saves link time. Saved link time buys nothing where the
 group's float average would have hidden behind backward anyway. On a fast link (InfiniBand, the emulated
 `fast` profile), coding is then pure cost, and TernGrad was slower than FP32 there (measured and modelled:
-docs/transports.md, "Auto: never slower than FP32"). So auto plans, per group g (commcost's formulas on the
+docs/transports.md, "Auto: FP32 where coding does not pay"). So auto plans, per group g (commcost's formulas on the
 configured link, TernGradConfig.link()):
 
     uncoded_g   an fp32 ring allreduce of the group

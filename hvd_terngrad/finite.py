@@ -1,9 +1,9 @@
 """Which of many tensors hold NaN or Inf, at two small ops a tensor.
 
 A check per tensor with isfinite is three ops (isfinite, all, a read back); on a latency-bound step of many
-small tensors those cost more than the allreduce they guard (measured: docs/transports.md, "Auto: never slower
-than FP32"). A sum in fp64 is two, and tells exactly: NaN and Inf make it non-finite, and no sum of finite
-fp32, fp16 or bf16 values reaches fp64's range.
+small tensors those cost more than the allreduce they guard (measured: docs/time-to-accuracy.md,
+"Auto on the emulated cluster"). A sum in fp64 is two, and tells exactly: NaN and Inf make it non-finite,
+and no sum of finite fp32, fp16 or bf16 values reaches fp64's range.
 """
 from __future__ import annotations
 

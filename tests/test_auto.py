@@ -5,8 +5,8 @@ import torch
 
 import hvd_terngrad.auto as auto
 from hvd_terngrad.auto import PLAN_STEP, VERDICT_STEP, AutoPlan, exposed, plan
-from hvd_terngrad.commcost import Link
 from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
+from hvd_terngrad.commcost import Link
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.pipeline import Pipeline, exchange
@@ -39,7 +39,7 @@ def untried(monkeypatch):
     monkeypatch.setattr(auto, "TRIAL_STEPS", 0)
 
 
-def _steps(p: AutoPlan, seconds: list[float], size=4, link=Link(12.5e9)) -> None:
+def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
     """Steps of one bucket of 10^6 elements through `p` alone, step k taking seconds[k]; the carried values
     agreed as if every rank carried this rank's."""
     clock = 0.0
@@ -48,7 +48,7 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, link=Link(12.5e9)) -> None
         p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
         if p.carrying:
             p.agree(p.carried())
-        p.step_done(2e-3, size, link, int8=False, now=clock)
+        p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
 
 
 def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
@@ -64,7 +64,7 @@ def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
 
 def test_a_plan_that_codes_everything_is_not_tried():
     p = AutoPlan()
-    _steps(p, [0.010] * (PLAN_STEP + 1), link=Link(1e6))  # 8 Mbit/s: every group coded
+    _steps(p, [0.010] * (PLAN_STEP + 1), gbps=0.008)  # 8 Mbit/s: every group coded
     assert p.decided and p.trial is None and not p.uncoded("bucket.0")
 
 
