@@ -70,12 +70,9 @@ class Coder:
 
     def prepare(self, name: str, grad: torch.Tensor) -> Item:
         """The item of `grad`: its residual added, its moments and local scaler (or block scalers)."""
-        self.check_dtype(name, grad)
         cfg = self.config
         with self.stats.timed("encode"):
-            flat = grad.detach().reshape(-1)
-            flat = flat if flat.is_contiguous() else flat.contiguous()
-            residual = self.feedback.residual(name, flat) if cfg.error_feedback else None
+            flat, residual = self._flat(name, grad)
             scalers = None
             if cfg.block_size:
                 st, absmax = self.codec.moments_blocks(flat, cfg.block_size, residual=residual)
@@ -99,12 +96,16 @@ class Coder:
 
     def plain(self, name: str, grad: torch.Tensor) -> Item:
         """The item of `grad` for a group sent uncoded (hvd_terngrad.auto): no moments, no scaler."""
+        flat, residual = self._flat(name, grad)
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=residual,
+                    tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name), scaler=0.0, nonfinite_rank=-1)
+
+    def _flat(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`grad` checked, as one contiguous flat tensor, and its error-feedback residual (or None)."""
         self.check_dtype(name, grad)
         flat = grad.detach().reshape(-1)
         flat = flat if flat.is_contiguous() else flat.contiguous()
-        residual = self.feedback.residual(name, flat) if self.config.error_feedback else None
-        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=residual,
-                    tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name), scaler=0.0, nonfinite_rank=-1)
+        return flat, self.feedback.residual(name, flat) if self.config.error_feedback else None
 
     def codes(self, it: Item, out: torch.Tensor | None = None) -> torch.Tensor:
         """it's packed codes (into out), with its scaler or block scalers. With error feedback the kernels code
