@@ -88,25 +88,19 @@ def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Lin
     raise ValueError(f"unknown method {method!r}")
 
 
-# transport="auto" in the model: groups coded with the transport of least link time among those auto may pick,
-# or sent as FP32, by hvd_terngrad.auto.plan
+# transport="auto" in the model: the coded gradient as one group, as the model sends every other method, coded
+# with the transport of least link time among those auto may pick, or sent as FP32, by hvd_terngrad.auto.plan
 AUTO_CODED = ("terngrad", "terngrad:summed", "terngrad:sharded")
 
 
-def auto_seconds(s: Split, n: int, backward: float, link: Link, codec: Codec | None, hier=None,
-                 bucket: int | None = None) -> tuple[float, float]:
+def auto_seconds(s: Split, n: int, backward: float, link: Link, codec: Codec | None, hier=None) -> tuple[float, float]:
     """(link seconds, codec seconds) of transport="auto"'s plan, as hvd_terngrad.auto makes it, the window being
-    the backward time. bucket: elements a group (default: one group, as the model sends every other method:
-    a group's latency terms count once)."""
-    costs = {"floats": (comm_seconds("fp32", Split(0, 0, s.floats), n, link, hier),) * 2 + (0.0,)}
-    left, i, bucket = s.coded, 0, bucket or s.coded
-    while left > 0:
-        part = Split(min(bucket, left), max(1, round(s.tensors * min(bucket, left) / s.coded)), 0)
-        coded = {m: comm_seconds(m, part, n, link, hier) for m in AUTO_CODED}
-        best = min(coded, key=coded.get)
-        k = codec.seconds(part.coded, n, sharded="sharded" in best) if codec else 0.0
-        costs[f"bucket.{i}"] = (comm_seconds("fp32", Split(0, 0, part.coded), n, link, hier), coded[best], k)
-        left, i = left - part.coded, i + 1
+    the backward time."""
+    coded = {m: comm_seconds(m, Split(s.coded, s.tensors, 0), n, link, hier) for m in AUTO_CODED}
+    best = min(coded, key=coded.get)
+    costs = {"floats": (comm_seconds("fp32", Split(0, 0, s.floats), n, link, hier),) * 2 + (0.0,),
+             "coded": (comm_seconds("fp32", Split(0, 0, s.coded), n, link, hier), coded[best],
+                       codec.seconds(s.coded, n, sharded="sharded" in best) if codec else 0.0)}
     chosen = plan(costs, backward)
     return (sum(c if k in chosen else u for k, (u, c, _) in costs.items()),
             sum(costs[k][2] for k in chosen))
@@ -116,12 +110,10 @@ def step_seconds(method: str, s: Split, n: int, compute: float, backward: float,
                  hier=None) -> dict:
     if method == "terngrad:auto" and n > 1:
         comm, cod = auto_seconds(s, n, backward, link, codec, hier)
-        overlap = min(comm, backward)
-        return {"compute": compute, "codec": cod, "comm": comm, "overlap": overlap,
-                "total": compute + cod + comm - overlap}
-    comm = comm_seconds(method, s, n, link, hier)
-    cod = (codec.seconds(s.coded, n, sharded="sharded" in method)
-           if (codec and method.startswith("terngrad") and n > 1) else 0.0)
+    else:
+        comm = comm_seconds(method, s, n, link, hier)
+        cod = (codec.seconds(s.coded, n, sharded="sharded" in method)
+               if (codec and method.startswith("terngrad") and n > 1) else 0.0)
     overlap = min(comm, backward) if n > 1 else 0.0
     return {"compute": compute, "codec": cod, "comm": comm, "overlap": overlap,
             "total": compute + cod + comm - overlap}

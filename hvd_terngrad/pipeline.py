@@ -105,7 +105,7 @@ class Pipeline:
         return self.auto is not None and self.auto.uncoded(key)
 
     def next_step(self) -> None:
-        if self.auto is not None:
+        if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
             cur = self.stats.current
             self.auto.step_done(cur.time_encode + cur.time_decode, self.size, self.config.link(), self.blocking_ok)
         self.coder.next_step()
