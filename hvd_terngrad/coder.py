@@ -95,10 +95,21 @@ class Coder:
                     scaler=scaler, nonfinite_rank=self.rank if bad else -1, scalers=scalers)
 
     def plain(self, name: str, grad: torch.Tensor) -> Item:
-        """The item of `grad` for a group sent uncoded (hvd_terngrad.auto): no moments, no scaler."""
-        flat, residual = self._flat(name, grad)
-        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=residual,
+        """The item of `grad` for a group sent uncoded (hvd_terngrad.auto): no moments, no scaler, its residual
+        merged into it."""
+        flat, _ = self._flat(name, grad)
+        self.merge_residual(name, flat)
+        return Item(name=name, shape=grad.shape, dtype=grad.dtype, flat=flat, residual=None,
                     tag=payload_tag(name, grad.shape, grad.dtype), tid=tensor_id(name), scaler=0.0, nonfinite_rank=-1)
+
+    def merge_residual(self, name: str, grad: torch.Tensor) -> None:
+        """Error feedback, for a gradient about to be averaged uncoded: its residual added into it (the average
+        carries it, so nothing is lost), and then zero."""
+        if self.config.error_feedback:
+            residual = self.feedback.residual(name, grad.reshape(-1))
+            if residual is not None:
+                grad.add_(residual.view(grad.shape))
+                residual.zero_()
 
     def _flat(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`grad` checked, as one contiguous flat tensor, and its error-feedback residual (or None)."""

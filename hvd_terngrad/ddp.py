@@ -207,15 +207,17 @@ class _Serial:
     def _loop(self) -> None:
         while True:
             run, fut = self._queue.get()
-            out = None
             try:
                 out = run()
-                fut.set_result(out.wait() if isinstance(out, torch._C.Future) else out)
+                value = out.wait() if isinstance(out, torch._C.Future) else out
             except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
-                fut.set_result(exc)
-            # hold nothing while waiting for the next bucket: a finished bucket's collectives keep their process
-            # group alive, and one destroyed at interpreter exit, after the group was, aborts the process
-            del run, fut, out
+                value = exc.with_traceback(None)  # its frames would hold the bucket's collectives
+            # Let go of the bucket's hook and its futures before DDP may go on: they keep their process group's
+            # work alive, and the training may end and destroy the group the moment the result is set; work
+            # destroyed after its group (at interpreter exit, from this thread) aborts the process
+            out = run = None
+            fut.set_result(value)
+            del fut, value
 
 
 def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:

@@ -51,37 +51,51 @@ class _Bucket:
 
 
 class _Uncoded:
-    """One step's gradients that travel uncoded: small or excluded tensors as float averages, and sparse
-    gradients averaged exactly as Horovod averages them (an allgather of indices and values)."""
+    """One step's gradients that travel uncoded: excluded or small tensors, and the buckets transport="auto"
+    sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
+    of indices and values).
+
+    A float average is made out of place, so that each rank still holds its own gradient when the average is
+    non-finite: only then does one more collective (a Max allreduce of rank + 1 per such tensor) tell every rank
+    whose gradient it was."""
 
     __slots__ = ("world", "stats", "floats", "sparse")
 
     def __init__(self, world, stats):
         self.world, self.stats = world, stats
-        self.floats: dict = {}  # param -> handle of its in-place float average
+        self.floats: dict = {}  # param -> (the gradient averaged, the handle of its average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
     def send_float(self, p, name: str, g: torch.Tensor) -> None:
         self.stats.add_float(g.numel() * g.element_size(), self.world.size)
-        self.floats[p] = self.world.average_async_(g, name=f"terngrad.float.{name}")
+        self.floats[p] = (g, self.world.average_async(g, name=f"terngrad.float.{name}"))
 
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
         self.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(), self.world.size)
         self.sparse[p] = self.world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
-    def finish(self, name_of: dict, grad_of) -> list[str]:
-        """Wait for every average and put it in place; the names of those that are non-finite."""
+    def finish(self, name_of: dict) -> list[tuple[str, int]]:
+        """Wait for every average and put it in place; (name, the non-finite rank or -1 where not known) of those
+        that are non-finite."""
         bad = []
         for p, h in self.sparse.items():
             avg = self.world.sparse_average(h, f"the sparse average of {name_of[p]!r}")
             p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
             if not bool(torch.isfinite(avg._values()).all()):
-                bad.append(name_of[p])
-        for p, h in self.floats.items():
-            self.world.wait(h, f"the float average of {name_of[p]!r}")
-        floats = list(self.floats)
-        return bad + [name_of[floats[i]] for i in nonfinite([grad_of(p) for p in floats])]
+                bad.append((name_of[p], -1))
+        floats = [(name_of[p], g, h) for p, (g, h) in self.floats.items()]
+        averages = [self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats]
+        culprit = nonfinite(averages)
+        if culprit:  # the same averages on every rank: every rank asks
+            mine = torch.zeros(len(culprit))
+            mine[nonfinite([floats[i][1] for i in culprit])] = float(self.world.rank + 1)
+            ranks = self.world.wait(self.world.max_allreduce_async(mine, name="terngrad.float.nonfinite"),
+                                    "the non-finite ranks of the float averages").tolist()
+            bad += [(floats[i][0], int(r) - 1) for i, r in zip(culprit, ranks)]
+        for (_, g, _), avg in zip(floats, averages):
+            g.copy_(avg)
+        return bad
 
 
 class _StepProtocol:
@@ -214,11 +228,18 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 return
             self._densified[p] = p.grad.to_dense()
         self._pipe.coder.check_dtype(name, self._grad(p))
-        if b is None:
+        if b is None or self._sends_uncoded(b):
             g = self._grad(p)
+            self._pipe.coder.merge_residual(name, g)
             self._uncoded.send_float(p, name, g)
             return
         self._bucket_member_ready(b, p)
+
+    def _sends_uncoded(self, b: _Bucket) -> bool:
+        """Whether transport="auto" sends bucket b uncoded: then each of its tensors is averaged as soon as it is
+        ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's float average inside
+        the node comes first, so it goes through the pipeline, as one group."""
+        return self._hier is None and self._pipe.sends_uncoded(f"bucket.{b.index}")
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
@@ -283,8 +304,8 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             float_bad = []
             if self._hier is not None and self._hier.local is not None:  # the node's verdict replaces the codes'
                 coded = [(b.index, self._name_of[q], self._grad(q)) for b in self._buckets for q in b.coded]
-                float_bad, bad = self._hier.finish_in_node(coded, {it.name for it in bad}), []
-            float_bad += self._uncoded.finish(self._name_of, self._grad)
+                float_bad, bad = [(n, -1) for n in self._hier.finish_in_node(coded, {it.name for it in bad})], []
+            float_bad += self._uncoded.finish(self._name_of)
             for p, dense in self._densified.items():
                 p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
         finally:
@@ -307,10 +328,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         return self._pipe.nonfinite(b.group)
 
 
-def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int) -> bool:
+def _skips(cfg, pipe, bad: list, float_bad: list[tuple[str, int]], rank: int) -> bool:
     """A step's verdict on non-finite averages (the same on every rank): whether to skip it (on_nonfinite=
     "skip"); with "propagate" the averages are already NaN, for AMP's GradScaler to find; else
-    NonFiniteGradientError naming the tensor."""
+    NonFiniteGradientError naming the tensor (and the rank, where known)."""
     if not (bad or float_bad):
         return False
     if cfg.on_nonfinite == "skip":
@@ -319,8 +340,10 @@ def _skips(cfg, pipe, bad: list, float_bad: list[str], rank: int) -> bool:
     if cfg.on_nonfinite == "propagate":  # the pipeline made those averages NaN
         return False
     pipe.coder.raise_nonfinite(bad)
-    raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) averaged gradient in {float_bad[0]!r} at "
-                                 f"step {pipe.step} on rank {rank}; every rank sees the same average")
+    name, culprit = float_bad[0]
+    whose = f"gradient in {name!r} on rank {culprit}" if culprit >= 0 else f"average of {name!r}"
+    raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) {whose} at step {pipe.step}, averaged "
+                                 f"uncoded (reported on rank {rank}; every rank sees the same average)")
 
 
 def _checked_names(named_parameters, param_groups, all_params) -> list:

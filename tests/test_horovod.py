@@ -1,4 +1,6 @@
 """TernGrad through Horovod on real processes (2 and 4 ranks): both front ends, exactness, options."""
+import re
+
 import pytest
 import torch
 
@@ -195,7 +197,7 @@ def test_exclusion_by_name_and_backward_passes_per_step():
     assert a[0]["stats"]["tensors_coded"] == 2 and a[0]["stats"]["tensors_float"] == 4
 
 
-def body_nonfinite(front, on_nonfinite):
+def body_nonfinite(front, on_nonfinite, min_numel=100):
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -204,7 +206,7 @@ def body_nonfinite(front, on_nonfinite):
     model = _model()
     named = list(model.named_parameters())
     base = torch.optim.SGD(model.parameters(), lr=0.1)
-    kw = {"seed": 1, "min_numel": 100, "on_nonfinite": on_nonfinite}
+    kw = {"seed": 1, "min_numel": min_numel, "on_nonfinite": on_nonfinite}
     if front == "stock":
         opt = hvd.DistributedOptimizer(base, named_parameters=named, compression=hvd_terngrad.TernGrad(named, **kw))
     else:
@@ -230,6 +232,15 @@ def test_nan_gradient_raises_on_every_rank_naming_tensor_and_rank(front):
     for r in res:
         assert r["error"] is not None
         assert "on rank 1" in r["error"] and "weight" in r["error"]
+
+
+def test_a_nan_in_a_float_average_names_the_rank_it_came_from_on_every_rank():
+    """Nothing coded (every tensor below min_numel): the float averages are made out of place, so a
+    non-finite one asks every rank whose gradient it was."""
+    res = run_ranks("tests.test_horovod:body_nonfinite", np=2, timeout=120, args=("hvd_terngrad", "raise", 10**9))
+    for r in res:
+        assert re.search(r"gradient in '\d\.(weight|bias)' on rank 1 at step 0, averaged uncoded", r["error"]), \
+            r["error"]
 
 
 def test_nan_gradient_skip_skips_the_step_on_every_rank():

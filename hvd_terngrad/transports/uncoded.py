@@ -37,14 +37,11 @@ class Uncoded(Transport):
     auto_ok = False  # chosen by auto's plan (hvd_terngrad.auto), which weighs the codec time too
 
     def encode(self, coder, items):
-        """The group's gradients (plus residuals, which are then zero) as one fp32 tensor to average: in place
-        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. The items go along: a
+        """The group's gradients (their residuals merged in: Coder.plain) as one fp32 tensor to average: in
+        place where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. The items go along: a
         non-finite average asks which of them were non-finite here, which a copy can tell afterwards and in
         place must be known before."""
         for it in items:
-            if it.residual is not None:
-                it.flat += it.residual  # the gradient is averaged over anyway
-                it.residual.zero_()
             coder.stats.add_float(it.numel * 4, coder.size)
         values = _span(items)
         flags = None
