@@ -55,20 +55,21 @@ class _Uncoded:
     sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
     of indices and values).
 
-    A float average is made out of place, so that each rank still holds its own gradient when the average is
-    non-finite: only then does one more collective (a Max allreduce of rank + 1 per such tensor) tell every rank
-    whose gradient it was."""
+    A float average is made in place, as Horovod makes it. Each rank checks its own gradient first (a sum:
+    hvd_terngrad.finite), so that where an average is non-finite one more collective (a Max allreduce of rank + 1
+    per such tensor) tells every rank whose gradient it was. (Out of place, the check would wait for a bad step,
+    but every step would pay an allocation and a copy, which cost more.)"""
 
     __slots__ = ("world", "stats", "floats", "sparse")
 
     def __init__(self, world, stats):
         self.world, self.stats = world, stats
-        self.floats: dict = {}  # param -> (the gradient averaged, the handle of its average)
+        self.floats: dict = {}  # param -> (whether its gradient was non-finite here, the handle of its average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
     def send_float(self, p, name: str, g: torch.Tensor) -> None:
         self.stats.add_float(g.numel() * g.element_size(), self.world.size)
-        self.floats[p] = (g, self.world.average_async(g, name=f"terngrad.float.{name}"))
+        self.floats[p] = (bool(nonfinite([g])), self.world.average_async_(g, name=f"terngrad.float.{name}"))
 
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
@@ -84,17 +85,13 @@ class _Uncoded:
             p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
-        floats = [(name_of[p], g, h) for p, (g, h) in self.floats.items()]
-        averages = [self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats]
-        culprit = nonfinite(averages)
+        floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
+        culprit = nonfinite([self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats])
         if culprit:  # the same averages on every rank: every rank asks
-            mine = torch.zeros(len(culprit))
-            mine[nonfinite([floats[i][1] for i in culprit])] = float(self.world.rank + 1)
+            mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])
             ranks = self.world.wait(self.world.max_allreduce_async(mine, name="terngrad.float.nonfinite"),
                                     "the non-finite ranks of the float averages").tolist()
             bad += [(floats[i][0], int(r) - 1) for i, r in zip(culprit, ranks)]
-        for (_, g, _), avg in zip(floats, averages):
-            g.copy_(avg)
         return bad
 
 

@@ -198,3 +198,21 @@ def test_long_run_does_not_leak(front):
     for r in res:
         assert r["growth_per_step"] < 512, r
         assert r["history_len"] <= 1000  # the stats window is bounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_non_finite_check_finds_nan_and_inf_and_not_finite_values_whose_sum_overflows(dtype):
+    """finite.nonfinite sums first: a finite sum clears a tensor; a sum beyond fp32's range is read again."""
+    from hvd_terngrad.finite import nonfinite
+
+    big = torch.finfo(dtype).max
+    ok = [torch.zeros(0, dtype=dtype), torch.randn(1000).to(dtype), torch.full((64,), big, dtype=dtype),
+          torch.tensor([big, -big, big], dtype=dtype)]
+    bad = []
+    for v in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(300).to(dtype)
+        t[137] = v
+        bad.append(t)
+    both = torch.full((8,), big, dtype=dtype)
+    both[3] = float("nan")
+    assert nonfinite(ok + bad + [both]) == [4, 5, 6, 7]

@@ -55,11 +55,6 @@ class HorovodCollectives:
     def average_async_(self, tensor: torch.Tensor, name: str):
         return hvd.allreduce_async_(tensor, name=name, op=hvd.Average, process_set=self.process_set)
 
-    def average_async(self, tensor: torch.Tensor, name: str):
-        """Out of place: `tensor` stays this rank's own until the average is put in it (hvd_terngrad's
-        optimizer then names the rank of a non-finite average from it)."""
-        return hvd.allreduce_async(tensor, name=name, op=hvd.Average, process_set=self.process_set)
-
     def broadcast_async_(self, tensor: torch.Tensor, root: int, name: str):
         """In place, from `root` (a rank of this process set) to every rank of it."""
         return hvd.broadcast_async_(tensor, root_rank=root, name=name, process_set=self.process_set)
