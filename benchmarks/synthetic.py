@@ -53,8 +53,9 @@ def iface_bytes(iface: str | None) -> tuple[int, int]:
 
 def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iters: int, method: Method,
               log=print, iface: str | None = None, between=None) -> dict:
-    """Timed training steps: `iters` timings of `per_iter` steps each after `warmup` steps. between(), if
-    given, runs after each timing, outside it (every rank calls it)."""
+    """Timed training steps: `iters` timings of `per_iter` steps each after `warmup` steps (for transport="auto"
+    at least until its verdict). between(), if given, runs after each timing, outside it (every rank calls
+    it)."""
     model = build(model_name)
     if method.ddp:  # DDP broadcasts rank 0's parameters itself
         net, opt, tg = build_ddp(method, model, 0.01)
@@ -69,6 +70,10 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
         F.cross_entropy(net(data), target).backward()
         opt.step()
 
+    if method.transport == "auto":  # its measurement and trial are not its steady state: warm up past its verdict
+        from hvd_terngrad.auto import VERDICT_STEP
+
+        warmup = max(warmup, VERDICT_STEP + 1)
     timeit.timeit(step, number=warmup)
     tx0, rx0 = iface_bytes(iface)
     img_secs, phases = [], []

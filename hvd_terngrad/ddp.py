@@ -22,12 +22,18 @@ the order in which each rank issues them, so two threads issuing them could pair
 ranks. DDP waits for every future at the end of backward. As DDP expects of a hook, the future's value is the
 bucket's average (DDP does not divide by the world size).
 
+Where transport="auto" sends every bucket uncoded, no coded bucket's collectives need keeping in order, and
+the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
+(TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
+collective in a callback).
+
 Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
 completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
 pair up differently across ranks. On gloo that aborts the job ("Received data size doesn't match expected
 size") or hangs it; torch's powerSGD_hook does exactly this on an emulated 1 Gbit/s cluster. `InLaunchOrder`
 runs any DDP hook the safe way, and the benchmarks run PowerSGD through it.
 """
+import datetime
 import queue
 import threading
 import time
@@ -38,7 +44,8 @@ import torch.distributed as dist
 
 from hvd_terngrad.collectives.distributed import TorchCollectives
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError
+from hvd_terngrad.finite import mark, marked_rank, nonfinite, nonfinite_average
 from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
 
@@ -52,7 +59,7 @@ class TernGradState:
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order")
+    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order", "_bounded")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None, **options):
         if config is not None and options:
@@ -70,6 +77,7 @@ class TernGradState:
         self.world: Optional[TorchCollectives] = None  # the whole group: the float averages
         self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
+        self._bounded = None  # the world again, with gloo's timeout at timeout_s: the hook's own averages
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -108,6 +116,55 @@ class TernGradState:
                                  "named_parameters given to TernGradState (pass the DDP module's)")
             (coded if self.config.compresses(name, p.numel()) else floats).append((name, grad))
         return coded, floats
+
+    def _averages_now(self, bucket: dist.GradBucket) -> bool:
+        """Whether the hook averages this bucket itself (_average_now): transport="auto"'s plan in force sends
+        every bucket uncoded, so no coded bucket's collectives need keeping in order on the worker thread."""
+        auto = self.pipeline.auto
+        return (auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
+                and self.process_group is None and bucket.buffer().dtype == torch.float32)
+
+    def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
+        A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
+        that a non-finite average names tensor and rank on every rank with no collective in a callback. The
+        allreduce runs on a group whose gloo timeout is timeout_s: a rank that never joins fails it in bounded
+        time, as the worker's bounded waits do."""
+        pipe, me, size = self.pipeline, self.world.rank, self.world.size
+        coded, floats = self._split(bucket)
+        for name, grad in coded:
+            pipe.coder.merge_residual(name, grad)
+        named, buf = coded + floats, bucket.buffer()
+        mine = mark([grad for _, grad in named], me) if nonfinite([buf]) else []
+        for _, grad in named:
+            pipe.stats.add_float(grad.numel() * 4, size)
+        if self._bounded is None:  # every rank makes it at the same bucket: the plan is the same on every rank
+            self._bounded = dist.new_group(timeout=datetime.timedelta(seconds=self.config.timeout_s))
+        summed = dist.all_reduce(buf, group=self._bounded, async_op=True).get_future()
+        step, last = pipe.step, bucket.is_last()
+        what = f"the fp32 average of DDP bucket {bucket.index()} ({named[0][0]!r} and {len(named) - 1} more)"
+
+        def finish(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                fut.value()
+            except RuntimeError as exc:
+                raise CollectiveTimeoutError(f"hvd_terngrad: {what} failed on rank {me} at step {step} (a rank that "
+                                             f"never joined fails it after timeout_s): {exc}") from None
+            buf.div_(size)
+            if nonfinite([buf]):
+                bad = nonfinite([grad for _, grad in named])
+                if self.config.on_nonfinite != "propagate":
+                    first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
+                    culprit = marked_rank(named[first][1], size)
+                    raise nonfinite_average(named[first][0], me if culprit < 0 and first in mine else culprit,
+                                            step, me)
+                for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
+                    named[i][1].fill_(float("nan"))
+            if last:
+                pipe.next_step()
+            return buf
+
+        return summed.then(finish)
 
     def _finish(self, job: "_Job") -> torch.Tensor:
         pipe, comm, h = self.pipeline, self.world, self.hierarchy
@@ -178,6 +235,8 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     ternary codes and a shared scaler per tensor. The state's worker thread exchanges the bucket while backward
     goes on, and completes the returned future."""
     state.connect()
+    if state._averages_now(bucket):
+        return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
     return state._order.submit(lambda: state._finish(job))
 

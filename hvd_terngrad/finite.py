@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from hvd_terngrad.errors import NonFiniteGradientError
+
 
 def nonfinite(tensors: list[torch.Tensor]) -> list[int]:
     """The indices of the tensors that hold NaN or Inf."""
@@ -22,3 +24,35 @@ def nonfinite(tensors: list[torch.Tensor]) -> list[int]:
 def _finite(t: torch.Tensor) -> bool:
     total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()
     return math.isfinite(total) or bool(torch.isfinite(t).all())
+
+
+def nonfinite_average(name: str, culprit: int, step: int, rank: int) -> NonFiniteGradientError:
+    """The error for a float average (uncoded) that is not finite: every rank raises it in the same step.
+    culprit: the rank whose gradient was non-finite, or -1 where none was (finite values whose sum is not)."""
+    whose = f"gradient in {name!r} on rank {culprit}" if culprit >= 0 else f"average of {name!r}"
+    return NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) {whose} at step {step}, averaged uncoded "
+                                  f"(reported on rank {rank}; every rank sees the same average)")
+
+
+def mark(tensors: list[torch.Tensor], rank: int) -> list[int]:
+    """Before a Sum allreduce, on a rank some of whose tensors hold NaN or Inf: each such tensor becomes zeros
+    with +Inf at element `rank` (NaN throughout where it has no such element). Summed with finite tensors, and
+    with the other such ranks' markers, its average is then +Inf at the element of each such rank and finite
+    elsewhere, so every rank can tell whose gradient was non-finite with no second collective. Returns the
+    indices of the tensors marked."""
+    bad = nonfinite(tensors)
+    for i in bad:
+        flat = tensors[i].view(-1)
+        if flat.numel() > rank:
+            flat.zero_()
+            flat[rank] = math.inf
+        else:
+            flat.fill_(math.nan)
+    return bad
+
+
+def marked_rank(average: torch.Tensor, size: int) -> int:
+    """The lowest rank whose marker (mark) a non-finite average carries; -1 where it carries none (finite
+    values whose sum is not, or a tensor too small to carry one)."""
+    hits = torch.isposinf(average.reshape(-1)[:size]).nonzero()
+    return int(hits[0]) if hits.numel() else -1

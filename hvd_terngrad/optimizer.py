@@ -26,8 +26,7 @@ import torch
 
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
-from hvd_terngrad.errors import NonFiniteGradientError
-from hvd_terngrad.finite import nonfinite
+from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
 
 
@@ -337,10 +336,7 @@ def _skips(cfg, pipe, bad: list, float_bad: list[tuple[str, int]], rank: int) ->
     if cfg.on_nonfinite == "propagate":  # the pipeline made those averages NaN
         return False
     pipe.coder.raise_nonfinite(bad)
-    name, culprit = float_bad[0]
-    whose = f"gradient in {name!r} on rank {culprit}" if culprit >= 0 else f"average of {name!r}"
-    raise NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) {whose} at step {pipe.step}, averaged "
-                                 f"uncoded (reported on rank {rank}; every rank sees the same average)")
+    raise nonfinite_average(*float_bad[0], pipe.step, rank)
 
 
 def _checked_names(named_parameters, param_groups, all_params) -> list:

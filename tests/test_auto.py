@@ -11,7 +11,7 @@ from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.pipeline import Pipeline, exchange
 from tests.golden import frontends as G
-from tests.mpi_harness import run_ranks
+from tests.mpi_harness import run_ranks, run_ranks_failing
 
 
 def test_the_plan_codes_nothing_where_the_float_average_hides_behind_backward():
@@ -165,6 +165,7 @@ def body_frontends_auto(port):
             o.zero_grad()
             G.loss(net, rank, step).backward()
             o.step()
+    assert state._bounded is not None  # the hook averaged its buckets itself, without the worker thread
     plans = [p.auto.coded for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
     floats = [p.stats.last.tensors_float for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
     assert floats == [len(list(model.parameters()))] * 3  # every tensor (the optimizer's: one by one)
@@ -182,6 +183,66 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
         assert all(f > 0 for f in floats)
         assert digests[0] == digests[1] == digests[2]  # DDP, the optimizer and the stock path: the same bits
     assert res[0][0] == res[1][0]
+
+
+def body_ddp_uncoded_faults(port, fault):
+    """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
+    averages itself; two steps after the plan, rank 1 has a NaN gradient ("nan") or stops before its backward
+    ("stuck"). What each rank's backward raised, and at which step."""
+    import time
+
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from tests.test_ddp import _close_gloo, _init_gloo
+
+    hvd_terngrad.auto.TRIAL_STEPS = 0
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
+                          on_nonfinite="propagate" if fault == "propagate" else "raise")
+    ddp.register_comm_hook(state, terngrad_hook)
+    out = None if fault != "propagate" else []
+    for step in range(PLAN_STEP + 3):
+        loss = G.loss(ddp, rank, step)
+        if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
+            time.sleep(60)
+        try:
+            (loss * (float("nan") if (rank, step) == (1, PLAN_STEP + 1) else 1.0)).backward()
+            if fault == "propagate":  # per step: whether every gradient is all NaN, or all finite
+                grads = [p.grad for p in model.parameters()]
+                out.append((all(bool(g.isnan().all()) for g in grads), all(bool(g.isfinite().all()) for g in grads)))
+                ddp.zero_grad()
+        except RuntimeError as exc:
+            if fault == "stuck":
+                raise
+            out = (step, str(exc))
+            break
+    if fault != "stuck":
+        del ddp, state
+        _close_gloo()
+    return out
+
+
+@pytest.mark.mpi
+def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank():
+    for step, message in run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120, args=(29693, "nan")):
+        assert step == PLAN_STEP + 1
+        assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}, averaged uncoded" in message, \
+            message
+
+
+@pytest.mark.mpi
+def test_the_hooks_own_uncoded_average_hands_amp_nan_averages_with_propagate():
+    for steps in run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120, args=(29697, "propagate")):
+        assert steps == [(False, True)] * (PLAN_STEP + 1) + [(True, False), (False, True)]
+
+
+@pytest.mark.mpi
+def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_joins():
+    msg = run_ranks_failing("tests.test_auto:body_ddp_uncoded_faults", np=2, within=45, args=(29695, "stuck"))
+    assert "CollectiveTimeoutError" in msg and "failed on rank 0 at step" in msg, msg[-3000:]
 
 
 def test_a_group_in_one_buffer_is_averaged_in_place_and_a_nan_there_still_names_its_rank(untried):

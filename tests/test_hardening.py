@@ -216,3 +216,23 @@ def test_the_non_finite_check_finds_nan_and_inf_and_not_finite_values_whose_sum_
     both = torch.full((8,), big, dtype=dtype)
     both[3] = float("nan")
     assert nonfinite(ok + bad + [both]) == [4, 5, 6, 7]
+
+
+def test_a_marked_sum_tells_every_rank_whose_tensor_was_non_finite():
+    """finite.mark before a Sum allreduce (here summed by hand over 4 ranks): +Inf at each such rank's element."""
+    from hvd_terngrad.finite import mark, marked_rank, nonfinite
+
+    g = torch.Generator().manual_seed(0)
+    ranks = [[torch.randn(50, generator=g), torch.randn(2, generator=g), torch.randn(30, generator=g)]
+             for _ in range(4)]
+    ranks[1][0][7] = float("nan")
+    ranks[3][0][0] = float("-inf")
+    ranks[2][1][1] = float("nan")  # 2 elements: too small to carry rank 2's marker
+    for r, tensors in enumerate(ranks):
+        if nonfinite(tensors):
+            mark(tensors, r)
+    sums = [sum(t[i] for t in ranks) for i in range(3)]
+    assert nonfinite(sums) == [0, 1]
+    assert [marked_rank(s, 4) for s in sums[:2]] == [1, -1]
+    assert torch.isposinf(sums[0][[1, 3]]).all() and torch.isfinite(sums[0][[0, 2]]).all()
+    assert torch.isfinite(sums[0][4:]).all()
