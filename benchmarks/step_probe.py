@@ -75,6 +75,9 @@ def main(argv=None) -> int:
             line += "; TernGrad's encode / waits / decode " + " / ".join(
                 f"{1e3 * statistics.mean(getattr(s, k) for s in h):.2f}" for k in
                 ("time_encode", "time_comm", "time_decode")) + " ms"
+        auto = getattr(getattr(tg, "pipeline", None), "auto", None)
+        if auto is not None:
+            line += f"; auto {auto.summary()}"
         if hvd.rank() == 0:
             print(line, flush=True)
         del net, opt, tg

@@ -27,9 +27,11 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   element, -window] (docs/wire-format.md, section 9): every rank reads the slowest codec and the shortest
   window, and makes the same plan.
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
-  front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed. A coded step then carries
-  both kinds' fastest step on each rank, and every rank keeps the plan only if its slowest rank's tried step
-  was faster than its slowest rank's coded step; else every group is coded from then on.
+  front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed, and then every group is
+  coded again for RECHECK_STEPS timed steps (the coded steps before the trial were still warming up, which
+  favoured the plan). A coded step then carries both kinds' fastest step on each rank, and every rank keeps
+  the plan only if its slowest rank's tried step was faster than its slowest rank's coded step; else every
+  group is coded from then on.
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group the plan
 has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and auto
 keeps coding every group.
@@ -43,8 +45,9 @@ from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.transports.uncoded import UNCODED
 
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
-TRIAL_STEPS = 4  # steps the model's plan is tried before the verdict (the fastest counts: the first pays one-offs)
-VERDICT_STEP = PLAN_STEP + TRIAL_STEPS  # a coded step that carries both step times; the faster plan is kept
+TRIAL_STEPS = 4  # steps the model's plan is tried (the fastest counts: the first pays one-offs)
+RECHECK_STEPS = 3  # coded steps after the trial, timed: the steps before it were still warming up
+VERDICT_STEP = PLAN_STEP + TRIAL_STEPS + RECHECK_STEPS  # a coded step that carries both step times
 CARRIED = 2  # values appended to the scaler vector on a carrying step
 
 
@@ -85,6 +88,7 @@ class AutoPlan:
         1 .. PLAN_STEP-2    coded; codec seconds per element, the window and the step time measured
         PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the model's plan
         the TRIAL_STEPS     the model's plan tried, its step time measured
+        the RECHECK_STEPS   coded again, the step time measured
         VERDICT_STEP        coded; the scaler vectors carry [coded step, tried step]; the faster is kept
     """
 
@@ -158,7 +162,7 @@ class AutoPlan:
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
         if took is not None:
-            self.times["trial" if self.trial is not None and s < VERDICT_STEP else "coded"].append(took)
+            self.times["trial" if self.coded is not None and s < VERDICT_STEP else "coded"].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -166,8 +170,8 @@ class AutoPlan:
             self.windows.append(max(0.0, ready - enc))
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
-        elif s == VERDICT_STEP - 1:
-            self.coded = None  # the verdict's step is coded
+        elif s == PLAN_STEP + TRIAL_STEPS - 1:
+            self.coded = None  # coded again until the verdict, and the verdict's step
         elif s == VERDICT_STEP:
             tried = self.trial is not None and self.verdict is not None and self.verdict[1] < self.verdict[0]
             self.coded = self.trial if tried else None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hvd_terngrad.auto as auto
-from hvd_terngrad.auto import PLAN_STEP, VERDICT_STEP, AutoPlan, exposed, plan
+from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan, exposed, plan
 from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
 from hvd_terngrad.commcost import Link
 from hvd_terngrad.config import TernGradConfig
@@ -52,14 +52,17 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
 
 
 def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
-    fast, slow = AutoPlan(), AutoPlan()
-    # coded steps 0..PLAN_STEP-1 take 10 ms; the tried (uncoded) steps 5 ms or 20 ms; the verdict step coded
-    _steps(fast, [0.010] * PLAN_STEP + [0.005] * (VERDICT_STEP - PLAN_STEP) + [0.010] * 3)
-    _steps(slow, [0.010] * PLAN_STEP + [0.020] * (VERDICT_STEP - PLAN_STEP) + [0.010] * 3)
-    for p in (fast, slow):
+    fast, slow, warming = AutoPlan(), AutoPlan(), AutoPlan()
+    # coded steps take 10 ms, before the trial and after it; the tried (uncoded) steps 5 ms or 20 ms
+    _steps(fast, [0.010] * PLAN_STEP + [0.005] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+    _steps(slow, [0.010] * PLAN_STEP + [0.020] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+    # the coded steps before the trial still warming up (30 ms), the tried ones 12 ms, coded ones after 10 ms
+    _steps(warming, [0.030] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+    for p in (fast, slow, warming):
         assert p.decided and p.summary()["tried_coding"] == []  # 100 Gbit/s, a 2 ms codec: nothing coded
     assert fast.verdict == pytest.approx((0.010, 0.005)) and fast.uncoded("bucket.0")
     assert slow.verdict == pytest.approx((0.010, 0.020)) and not slow.uncoded("bucket.0")
+    assert warming.verdict == pytest.approx((0.010, 0.012)) and not warming.uncoded("bucket.0")
 
 
 def test_a_plan_that_codes_everything_is_not_tried():
