@@ -32,6 +32,9 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   favoured the plan). A coded step then carries both kinds' fastest step on each rank, and every rank keeps
   the plan only if its slowest rank's tried step was faster than its slowest rank's coded step; else every
   group is coded from then on.
+- Where the model codes every group anyway but some with the sharded transport, the plan tried is every
+  group coded with the allgather instead: the sharded transport's second collective costs latency the model
+  underrates on small groups (measured: docs/time-to-accuracy.md, "Auto on the emulated cluster").
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group the plan
 has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and auto
 keeps coding every group.
@@ -93,7 +96,7 @@ class AutoPlan:
     """
 
     __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trial",
-                 "times", "step_end", "verdict", "coded")
+                 "tried_transport", "times", "step_end", "verdict", "coded", "transport")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -104,11 +107,14 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.trial: set[str] | None = None  # the model's plan, tried for TRIAL_STEPS steps
+        self.trial: set[str] | None = None  # the keys coded in the plan tried for TRIAL_STEPS steps
+        self.tried_transport: str | None = None  # the one transport of the coded groups in that plan (None: the
+        # model's choice per group)
         self.times: dict[str, list[float]] = {"coded": [], "trial": []}  # step seconds, this rank
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.verdict: tuple[float, float] | None = None  # (coded, tried) step seconds, the same on every rank
         self.coded: set[str] | None = None  # the keys coded now; None: every group (the plan is not in force)
+        self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
 
     def uncoded(self, key: str) -> bool:
         return self.coded is not None and key not in self.coded
@@ -116,8 +122,8 @@ class AutoPlan:
     def summary(self) -> dict:
         """What the benchmarks record: the plan tried, the step seconds that judged it, what is in force."""
         return {"tried_coding": None if self.trial is None else sorted(self.trial),
-                "step_seconds_coded_tried": self.verdict,
-                "uncoded_now": self.coded is not None}
+                "tried_transport": self.tried_transport, "step_seconds_coded_tried": self.verdict,
+                "uncoded_now": self.coded is not None, "transport_now": self.transport}
 
     @property
     def decided(self) -> bool:
@@ -162,7 +168,8 @@ class AutoPlan:
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
         if took is not None:
-            self.times["trial" if self.coded is not None and s < VERDICT_STEP else "coded"].append(took)
+            trying = self.coded is not None or self.transport is not None
+            self.times["trial" if trying and s < VERDICT_STEP else "coded"].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -171,10 +178,11 @@ class AutoPlan:
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
         elif s == PLAN_STEP + TRIAL_STEPS - 1:
-            self.coded = None  # coded again until the verdict, and the verdict's step
+            self.coded = self.transport = None  # coded as the model says until the verdict, and the verdict's step
         elif s == VERDICT_STEP:
             tried = self.trial is not None and self.verdict is not None and self.verdict[1] < self.verdict[0]
-            self.coded = self.trial if tried else None
+            if tried:
+                self._keep_trial()
         self.steps += 1
         self.groups, self.first, self.last = {}, None, None
 
@@ -186,8 +194,21 @@ class AutoPlan:
             costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
             chosen = plan(costs, window)
             if chosen != set(costs):
-                self.trial = self.coded = chosen
-                if TRIAL_STEPS == 0:  # tests: the model's plan, untried
+                self.trial = chosen
+            elif any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
+                     for n, _, _ in self.groups.values()):
+                # every group coded, some with a transport of two collectives after the scalers' (sharded): the
+                # latency the second adds, all there is on a small group, is what the model knows least (it cost
+                # NCF at 1 Gbit/s a fifth of its speed: docs/time-to-accuracy.md), so the allgather is tried
+                self.trial, self.tried_transport = chosen, "allgather"
+            if self.trial is not None:
+                self._keep_trial()  # in force for the trial
+                if TRIAL_STEPS == 0:  # tests: the plan, untried
                     self.steps = VERDICT_STEP
                 return
-        self.steps = VERDICT_STEP  # decided: every group coded
+        self.steps = VERDICT_STEP  # decided: every group coded as the model says
+
+    def _keep_trial(self) -> None:
+        """The tried plan in force: its uncoded groups, or its one transport."""
+        self.coded = self.trial if self.tried_transport is None else None
+        self.transport = self.tried_transport

@@ -82,6 +82,7 @@ class Pipeline:
         self.coder = Coder(config, comm.rank if rank is None else rank, comm.size if size is None else size)
         self.blocking_ok = blocking_ok
         self.auto = AutoPlan() if config.transport == "auto" else None  # which groups to code, once measured
+        self.link = config.link() if self.auto is not None else None  # what auto plans for (read once)
         comm.stats = self.coder.stats  # the waits count into this rank's stats
 
     @property
@@ -107,7 +108,7 @@ class Pipeline:
     def next_step(self) -> None:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
             cur = self.stats.current
-            self.auto.step_done(cur.time_encode + cur.time_decode, self.size, self.config.link(), self.blocking_ok)
+            self.auto.step_done(cur.time_encode + cur.time_decode, self.size, self.link, self.blocking_ok)
         self.coder.next_step()
 
     def state_dict(self) -> dict:
@@ -212,8 +213,10 @@ class Pipeline:
         if g.stage is Stage.SENDING:  # an uncoded group's average started with it
             return
         self.share(g)
-        t = g.transport = resolve_transport(self.config.transport, sum(it.numel for it in g.items), self.size,
-                                            int8=self.blocking_ok, link=self.config.link())
+        auto = self.auto
+        configured = auto.transport if auto is not None and auto.transport else self.config.transport
+        t = g.transport = resolve_transport(configured, sum(it.numel for it in g.items), self.size,
+                                            int8=self.blocking_ok, link=self.link)
         g.handle = t.start(self.comm, t.encode(self.coder, g.items), g.key)
         g.stage = Stage.SENDING
 

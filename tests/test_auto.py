@@ -65,10 +65,23 @@ def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
     assert warming.verdict == pytest.approx((0.010, 0.012)) and not warming.uncoded("bucket.0")
 
 
-def test_a_plan_that_codes_everything_is_not_tried():
+def test_a_plan_that_codes_everything_with_the_allgather_is_not_tried():
     p = AutoPlan()
-    _steps(p, [0.010] * (PLAN_STEP + 1), gbps=0.008)  # 8 Mbit/s: every group coded
-    assert p.decided and p.trial is None and not p.uncoded("bucket.0")
+    _steps(p, [0.010] * (PLAN_STEP + 1), size=2, gbps=0.008)  # 8 Mbit/s: every group coded, 2 ranks: allgather
+    assert p.decided and p.trial is None and not p.uncoded("bucket.0") and p.transport is None
+
+
+def test_where_the_model_codes_with_the_sharded_transport_the_allgather_is_tried_too():
+    """4 ranks at 8 Mbit/s: the model codes the bucket with the sharded transport; the allgather is tried, and
+    kept only where its steps were the faster."""
+    faster, slower = AutoPlan(), AutoPlan()
+    _steps(faster, [0.010] * PLAN_STEP + [0.008] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
+    _steps(slower, [0.010] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
+    for p in (faster, slower):
+        assert p.decided and p.summary()["tried_coding"] == ["bucket.0"] and p.tried_transport == "allgather"
+        assert not p.uncoded("bucket.0")
+    assert faster.transport == "allgather" and slower.transport is None
+    assert faster.summary()["transport_now"] == "allgather"
 
 
 def _train(gbps, steps, nan_at=None, **options):
@@ -111,9 +124,12 @@ def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_r
 
 
 def test_on_a_slow_link_auto_keeps_coding(untried):
+    """10 Mbit/s: every group coded; the model's sharded transport first, then the allgather it tries (untried
+    here: in force at once), on every rank alike."""
     pipes, out = _train(0.01, PLAN_STEP + 2)
-    assert all(p.auto.decided and p.auto.coded is None for p in pipes)
-    assert all(g.transport.name != "fp32" for _, _, groups, _, _ in out for g in groups)
+    assert all(p.auto.decided and p.auto.coded is None and p.auto.transport == "allgather" for p in pipes)
+    names = {(step, g.transport.name) for step, _, groups, _, _ in out for g in groups}
+    assert names == {(s, "sharded" if s < PLAN_STEP else "allgather") for s in range(PLAN_STEP + 2)}
 
 
 def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_coding(untried):
