@@ -54,21 +54,23 @@ class _Uncoded:
     sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
     of indices and values).
 
-    A float average is made in place, as Horovod makes it. Each rank checks its own gradient first (a sum:
-    hvd_terngrad.finite), so that where an average is non-finite one more collective (a Max allreduce of rank + 1
-    per such tensor) tells every rank whose gradient it was. (Out of place, the check would wait for a bad step,
-    but every step would pay an allocation and a copy, which cost more.)"""
+    A float average is made in place, as Horovod makes it. Where a non-finite average raises (on_nonfinite=
+    "raise"), each rank checks its own gradient first (a sum: hvd_terngrad.finite), so that one more collective
+    (a Max allreduce of rank + 1 per non-finite average) tells every rank whose gradient it was. (Out of place,
+    that check could wait for a bad step, but every step would pay an allocation and a copy, which cost more.)"""
 
-    __slots__ = ("world", "stats", "floats", "sparse")
+    __slots__ = ("world", "stats", "names_rank", "floats", "sparse")
 
-    def __init__(self, world, stats):
+    def __init__(self, world, stats, names_rank: bool):
         self.world, self.stats = world, stats
+        self.names_rank = names_rank  # whether a non-finite average's error names the rank it came from
         self.floats: dict = {}  # param -> (whether its gradient was non-finite here, the handle of its average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
     def send_float(self, p, name: str, g: torch.Tensor) -> None:
         self.stats.add_float(g.numel() * g.element_size(), self.world.size)
-        self.floats[p] = (bool(nonfinite([g])), self.world.average_async_(g, name=f"terngrad.float.{name}"))
+        mine = self.names_rank and bool(nonfinite([g]))
+        self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"))
 
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
@@ -86,12 +88,12 @@ class _Uncoded:
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
         culprit = nonfinite([self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats])
-        if culprit:  # the same averages on every rank: every rank asks
+        if culprit and self.names_rank:  # the same averages on every rank: every rank asks
             mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])
             ranks = self.world.wait(self.world.max_allreduce_async(mine, name="terngrad.float.nonfinite"),
                                     "the non-finite ranks of the float averages").tolist()
-            bad += [(floats[i][0], int(r) - 1) for i, r in zip(culprit, ranks)]
-        return bad
+            return bad + [(floats[i][0], int(r) - 1) for i, r in zip(culprit, ranks)]
+        return bad + [(floats[i][0], -1) for i in culprit]
 
 
 class _StepProtocol:
@@ -151,7 +153,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._bucket_bytes = bucket_bytes
         self._plan()
 
-        self._uncoded = _Uncoded(self._world, self._pipe.stats)
+        self._uncoded = self._new_uncoded()
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
         self._skip_next_step = False
@@ -231,6 +233,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             return
         self._bucket_member_ready(b, p)
 
+    def _new_uncoded(self) -> _Uncoded:
+        return _Uncoded(self._world, self._pipe.stats, names_rank=self._cfg.on_nonfinite == "raise")
+
     def _sends_uncoded(self, b: _Bucket) -> bool:
         """Whether transport="auto" sends bucket b uncoded: then each of its tensors is averaged as soon as it is
         ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's float average inside
@@ -307,7 +312,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         finally:
             for b in self._buckets:
                 b.reset()
-            self._uncoded = _Uncoded(self._world, self._pipe.stats)
+            self._uncoded = self._new_uncoded()
             self._densified = {}
             self._fired = set()
             for p in self._delay:
