@@ -54,22 +54,23 @@ class _Uncoded:
     sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
     of indices and values).
 
-    A float average is made in place, as Horovod makes it. Where a non-finite average raises (on_nonfinite=
-    "raise"), each rank checks its own gradient first (a sum: hvd_terngrad.finite), so that one more collective
-    (a Max allreduce of rank + 1 per non-finite average) tells every rank whose gradient it was. (Out of place,
-    that check could wait for a bad step, but every step would pay an allocation and a copy, which cost more.)"""
+    A float average is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
+    on_nonfinite="propagate" hands it on as it is. Where a non-finite average raises ("raise"), each rank
+    checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
+    average) tells every rank whose gradient it was. (Out of place, that check could wait for a bad step, but
+    every step would pay an allocation and a copy, which cost more.)"""
 
-    __slots__ = ("world", "stats", "names_rank", "floats", "sparse")
+    __slots__ = ("world", "stats", "on_nonfinite", "floats", "sparse")
 
-    def __init__(self, world, stats, names_rank: bool):
+    def __init__(self, world, stats, on_nonfinite: str):
         self.world, self.stats = world, stats
-        self.names_rank = names_rank  # whether a non-finite average's error names the rank it came from
+        self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
         self.floats: dict = {}  # param -> (whether its gradient was non-finite here, the handle of its average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
     def send_float(self, p, name: str, g: torch.Tensor) -> None:
         self.stats.add_float(g.numel() * g.element_size(), self.world.size)
-        mine = self.names_rank and bool(nonfinite([g]))
+        mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
         self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"))
 
     def send_sparse(self, p, name: str) -> None:
@@ -87,8 +88,9 @@ class _Uncoded:
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
-        culprit = nonfinite([self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats])
-        if culprit and self.names_rank:  # the same averages on every rank: every rank asks
+        averages = [self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats]
+        culprit = nonfinite(averages) if self.on_nonfinite != "propagate" else []
+        if culprit and self.on_nonfinite == "raise":  # the same averages on every rank: every rank asks
             mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])
             ranks = self.world.wait(self.world.max_allreduce_async(mine, name="terngrad.float.nonfinite"),
                                     "the non-finite ranks of the float averages").tolist()
@@ -234,7 +236,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._bucket_member_ready(b, p)
 
     def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.stats, names_rank=self._cfg.on_nonfinite == "raise")
+        return _Uncoded(self._world, self._pipe.stats, self._cfg.on_nonfinite)
 
     def _sends_uncoded(self, b: _Bucket) -> bool:
         """Whether transport="auto" sends bucket b uncoded: then each of its tensors is averaged as soon as it is
