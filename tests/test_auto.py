@@ -239,6 +239,9 @@ def body_ddp_uncoded_faults(port, fault):
             out = (step, str(exc))
             break
     if fault != "stuck":
+        # the buckets after the one that raised may still be in flight: gloo's barrier waits for them (a group
+        # destroyed under them aborts the process at exit)
+        torch.distributed.barrier(group=state._bounded)
         del ddp, state
         _close_gloo()
     return out
