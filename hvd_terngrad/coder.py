@@ -106,7 +106,7 @@ class Coder:
         """Error feedback, for a gradient about to be averaged uncoded: its residual added into it (the average
         carries it, so nothing is lost), and then zero."""
         if self.config.error_feedback:
-            residual = self.feedback.residual(name, grad.reshape(-1))
+            residual = self.feedback.residual(name, grad)  # it checks size, dtype and device only
             if residual is not None:
                 grad.add_(residual.view(grad.shape))
                 residual.zero_()

@@ -228,7 +228,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 return
             self._densified[p] = p.grad.to_dense()
         self._pipe.coder.check_dtype(name, self._grad(p))
-        if b is None or self._sends_uncoded(b):
+        if b is None:
+            self._uncoded.send_float(p, name, self._grad(p))
+            return
+        if self._sends_uncoded(b):  # a coded tensor until the plan: its residual goes along
             g = self._grad(p)
             self._pipe.coder.merge_residual(name, g)
             self._uncoded.send_float(p, name, g)
