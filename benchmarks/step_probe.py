@@ -68,7 +68,8 @@ def main(argv=None) -> int:
             data.loss(net, idx).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
-        line = f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms"
+        line = (f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms, "
+                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms")
         stats = getattr(tg, "stats", None)
         if stats is not None and stats.history:
             h = stats.history[50:]
