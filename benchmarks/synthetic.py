@@ -71,9 +71,9 @@ def benchmark(model_name: str, batch_size: int, warmup: int, per_iter: int, iter
         opt.step()
 
     if method.transport == "auto":  # its measurement and trial are not its steady state: warm up past its verdict
-        from hvd_terngrad.auto import VERDICT_STEP
+        from hvd_terngrad.auto import LAST_VERDICT_STEP
 
-        warmup = max(warmup, VERDICT_STEP + 1)
+        warmup = max(warmup, LAST_VERDICT_STEP + 1)
     timeit.timeit(step, number=warmup)
     tx0, rx0 = iface_bytes(iface)
     img_secs, phases = [], []

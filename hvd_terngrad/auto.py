@@ -29,15 +29,18 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed, and then every group is
   coded again for RECHECK_STEPS timed steps (the coded steps before the trial were still warming up, which
-  favoured the plan). A coded step then carries both kinds' fastest step on each rank, and every rank keeps
+  favoured the plan). A coded step then carries every kind's fastest step on each rank, and every rank keeps
   the plan only if its slowest rank's tried step was faster than its slowest rank's coded step; else every
   group is coded from then on.
-- Where the model codes every group anyway but some with the sharded transport, the plan tried is every
-  group coded with the allgather instead: the sharded transport's second collective costs latency the model
-  underrates on small groups (measured: docs/time-to-accuracy.md, "Auto on the emulated cluster").
-The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; a group the plan
-has not seen is coded. Without a shared scaler (share_scaler=False) nothing carries the measurement, and auto
-keeps coding every group.
+- Where the model codes every group anyway, two plans are tried in turn, TRIAL_STEPS steps each, and the
+  fastest of the three kinds is kept: where some group takes the sharded transport, every group coded with
+  the allgather (the latency of the sharded transport's second collective, all there is on a small group,
+  is what the model knows least); and every group uncoded (FP32: the baseline auto must not fall behind,
+  which the model misjudges on a small model's latency-bound steps). Measured: docs/time-to-accuracy.md,
+  "Auto on the emulated cluster".
+The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; while a plan that
+leaves groups uncoded is in force, a group it has not seen goes uncoded too. Without a shared scaler
+(share_scaler=False) nothing carries the measurement, and auto keeps coding every group.
 """
 from __future__ import annotations
 
@@ -48,10 +51,10 @@ from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.transports.uncoded import UNCODED
 
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
-TRIAL_STEPS = 4  # steps the model's plan is tried (the fastest counts: the first pays one-offs)
-RECHECK_STEPS = 3  # coded steps after the trial, timed: the steps before it were still warming up
-VERDICT_STEP = PLAN_STEP + TRIAL_STEPS + RECHECK_STEPS  # a coded step that carries both step times
-CARRIED = 2  # values appended to the scaler vector on a carrying step
+TRIAL_STEPS = 4  # steps each tried plan is in force (the fastest counts: the first pays one-offs)
+RECHECK_STEPS = 3  # coded steps after the trials, timed: the steps before them were still warming up
+MAX_TRIALS = 2  # plans tried at most (AutoPlan._plan)
+LAST_VERDICT_STEP = PLAN_STEP + MAX_TRIALS * TRIAL_STEPS + RECHECK_STEPS  # auto has decided after this step
 
 
 def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
@@ -85,18 +88,21 @@ def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, lin
 
 
 class AutoPlan:
-    """One rank's measurement, plan and verdict for transport="auto" (module docstring). Its steps:
+    """One rank's measurement, plans and verdict for transport="auto" (module docstring). Its steps:
 
         0                   coded (allocations warm up)
         1 .. PLAN_STEP-2    coded; codec seconds per element, the window and the step time measured
-        PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the model's plan
-        the TRIAL_STEPS     the model's plan tried, its step time measured
+        PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the plans to try
+        TRIAL_STEPS a plan  each plan tried in turn, its step time measured
         the RECHECK_STEPS   coded again, the step time measured
-        VERDICT_STEP        coded; the scaler vectors carry [coded step, tried step]; the faster is kept
+        verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step]; the fastest
+                            is kept
+    A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
+    model's choice per group).
     """
 
-    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trial",
-                 "tried_transport", "times", "step_end", "verdict", "coded", "transport")
+    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trials",
+                 "times", "step_end", "verdict", "kept", "coded", "transport")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -107,32 +113,37 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.trial: set[str] | None = None  # the keys coded in the plan tried for TRIAL_STEPS steps
-        self.tried_transport: str | None = None  # the one transport of the coded groups in that plan (None: the
-        # model's choice per group)
-        self.times: dict[str, list[float]] = {"coded": [], "trial": []}  # step seconds, this rank
+        self.trials: list[tuple[set[str] | None, str | None]] = []  # the plans tried, in turn, TRIAL_STEPS each
+        self.times: list[list[float]] = [[]]  # step seconds on this rank: coded, then each tried plan's
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
-        self.verdict: tuple[float, float] | None = None  # (coded, tried) step seconds, the same on every rank
-        self.coded: set[str] | None = None  # the keys coded now; None: every group (the plan is not in force)
+        self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
+        self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
+        self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
 
     def uncoded(self, key: str) -> bool:
         return self.coded is not None and key not in self.coded
 
     def summary(self) -> dict:
-        """What the benchmarks record: the plan tried, the step seconds that judged it, what is in force."""
-        return {"tried_coding": None if self.trial is None else sorted(self.trial),
-                "tried_transport": self.tried_transport, "step_seconds_coded_tried": self.verdict,
+        """What the benchmarks record: the plans tried, the step seconds that judged them, what is in force."""
+        return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
+                          for c, t in self.trials],
+                "step_seconds_coded_tried": self.verdict, "kept": self.kept,
                 "uncoded_now": self.coded is not None, "transport_now": self.transport}
 
     @property
+    def verdict_step(self) -> int:
+        """The coded step that carries the step times (past it, auto has decided)."""
+        return PLAN_STEP + len(self.trials) * TRIAL_STEPS + RECHECK_STEPS
+
+    @property
     def decided(self) -> bool:
-        return self.steps > VERDICT_STEP
+        return self.steps > self.verdict_step
 
     @property
     def carrying(self) -> bool:
         """Whether this step's scaler vectors carry a measurement."""
-        return self.steps in (PLAN_STEP - 1, VERDICT_STEP)
+        return self.steps in (PLAN_STEP - 1, self.verdict_step)
 
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
                 encoded: float | None) -> None:
@@ -145,31 +156,30 @@ class AutoPlan:
         self.last = (ready, encoded or 0.0)
 
     def carried(self) -> list[float]:
-        """The two values this rank appends to its scaler vectors on a carrying step."""
-        if self.steps == VERDICT_STEP:  # the fastest step of each kind: one-off costs and noise stay out
-            return [min(self.times["coded"]), min(self.times["trial"])]
+        """The values this rank appends to its scaler vectors on a carrying step."""
+        if self.steps == self.verdict_step:  # the fastest step of each kind: one-off costs and noise stay out
+            return [min(t) for t in self.times]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
         the shortest window; or each kind's step on the slowest rank."""
-        if self.steps == VERDICT_STEP:
-            self.verdict = (values[0], values[1])
+        if self.steps == self.verdict_step:
+            self.verdict = tuple(values)
         else:
             self.agreed = (values[0], -values[1])
 
     def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
-        """The end of a step (codec_s: its encode + decode seconds): its measurement, the plan to try, or the
-        verdict. now: the time (tests)."""
+        """The end of a step (codec_s: its encode + decode seconds): its measurement, the plan in force next,
+        or the verdict. now: the time (tests)."""
         if self.decided:
             return
         now = time.perf_counter() if now is None else now
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
         if took is not None:
-            trying = self.coded is not None or self.transport is not None
-            self.times["trial" if trying and s < VERDICT_STEP else "coded"].append(took)
+            self.times[self._trying(s) + 1].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -177,38 +187,37 @@ class AutoPlan:
             self.windows.append(max(0.0, ready - enc))
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
-        elif s == PLAN_STEP + TRIAL_STEPS - 1:
-            self.coded = self.transport = None  # coded as the model says until the verdict, and the verdict's step
-        elif s == VERDICT_STEP:
-            tried = self.trial is not None and self.verdict is not None and self.verdict[1] < self.verdict[0]
-            if tried:
-                self._keep_trial()
+        elif s == self.verdict_step and self.verdict is not None:
+            best = min(range(len(self.verdict)), key=lambda k: self.verdict[k])  # the coded kind on a tie
+            self.kept = best - 1 if best else None
         self.steps += 1
+        self._in_force(self.kept if self.decided else self._trying(self.steps))
         self.groups, self.first, self.last = {}, None, None
 
-    def _plan(self, size: int, link: Link, int8: bool) -> None:
-        """The model's plan from the agreed measurement, to try; none (every group coded from now on) where
-        nothing was measured or the plan codes every group anyway."""
-        if self.agreed is not None:
-            per_element, window = self.agreed
-            costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
-            chosen = plan(costs, window)
-            if chosen != set(costs):
-                self.trial = chosen
-            elif any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
-                     for n, _, _ in self.groups.values()):
-                # every group coded, some with a transport of two collectives after the scalers' (sharded): the
-                # latency the second adds, all there is on a small group, is what the model knows least (it cost
-                # NCF at 1 Gbit/s a fifth of its speed: docs/time-to-accuracy.md), so the allgather is tried
-                self.trial, self.tried_transport = chosen, "allgather"
-            if self.trial is not None:
-                self._keep_trial()  # in force for the trial
-                if TRIAL_STEPS == 0:  # tests: the plan, untried
-                    self.steps = VERDICT_STEP
-                return
-        self.steps = VERDICT_STEP  # decided: every group coded as the model says
+    def _trying(self, step: int) -> int:
+        """The index of the plan tried on `step`; -1 where every group is coded as the model says."""
+        k = (step - PLAN_STEP) // TRIAL_STEPS if TRIAL_STEPS else -1
+        return k if step >= PLAN_STEP and k < len(self.trials) else -1
 
-    def _keep_trial(self) -> None:
-        """The tried plan in force: its uncoded groups, or its one transport."""
-        self.coded = self.trial if self.tried_transport is None else None
-        self.transport = self.tried_transport
+    def _in_force(self, k: int | None) -> None:
+        """Tried plan k in force (None or -1: every group coded as the model says)."""
+        self.coded, self.transport = self.trials[k] if k is not None and k >= 0 else (None, None)
+
+    def _plan(self, size: int, link: Link, int8: bool) -> None:
+        """The plans to try, from the agreed measurement; none (every group coded from now on) where nothing
+        was measured."""
+        if self.agreed is None:
+            self.steps = self.verdict_step  # decided: every group coded as the model says
+            return
+        per_element, window = self.agreed
+        costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
+        chosen = plan(costs, window)
+        if chosen != set(costs):
+            self.trials = [(chosen, None)]
+        else:  # every group coded (module docstring)
+            sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
+                          for n, _, _ in self.groups.values())
+            self.trials = [(None, "allgather")] * sharded + [(set(), None)]
+        self.times += [[] for _ in self.trials]
+        if TRIAL_STEPS == 0:  # tests: the first plan in force, untried
+            self.kept, self.steps = 0, self.verdict_step

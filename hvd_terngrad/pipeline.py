@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from hvd_terngrad.auto import CARRIED, AutoPlan
+from hvd_terngrad.auto import AutoPlan
 from hvd_terngrad.coder import Coder, Item
 from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
@@ -65,7 +65,7 @@ class Group:
         self.stage = Stage.SHARED
         self.send_when_shared = send_when_shared  # start the transport as soon as the scalers are shared
         self.scaler_handle = None  # the scaler Max allreduce(s): (per tensor, block scalers or None)
-        self.carries = False  # its scaler vector carries transport="auto"'s measurement (hvd_terngrad.auto)
+        self.carries = 0  # the values of transport="auto"'s measurement its scaler vector carries (auto)
         self.transport = None
         self.handle = None  # of the transport's collectives
 
@@ -167,8 +167,9 @@ class Pipeline:
         if self.config.share_scaler:
             head, blocks = scaler_vectors(items, self.config.block_size)
             if auto is not None and auto.carrying:
-                g.carries = True
-                head = torch.cat([head, torch.tensor(auto.carried(), dtype=torch.float32)])
+                carried = auto.carried()
+                g.carries = len(carried)
+                head = torch.cat([head, torch.tensor(carried, dtype=torch.float32)])
             g.scaler_handle = (self.comm.max_allreduce_async(head, name=f"terngrad.scalers.{key}"),
                                None if blocks is None else
                                self.comm.max_allreduce_async(blocks, name=f"terngrad.block_scalers.{key}"))
@@ -200,7 +201,7 @@ class Pipeline:
             head, blocks = g.scaler_handle
             head = self.comm.wait(head, f"the scaler Max allreduce of {g.what}")
             if g.carries:
-                head, carried = head[:-CARRIED], head[-CARRIED:]
+                head, carried = head[:-g.carries], head[-g.carries:]
                 self.auto.agree(carried.cpu().tolist())
             if blocks is not None:
                 blocks = self.comm.wait(blocks, f"the block scaler Max allreduce of {g.what}")

@@ -58,30 +58,39 @@ def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
     _steps(slow, [0.010] * PLAN_STEP + [0.020] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
     # the coded steps before the trial still warming up (30 ms), the tried ones 12 ms, coded ones after 10 ms
     _steps(warming, [0.030] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
-    for p in (fast, slow, warming):
-        assert p.decided and p.summary()["tried_coding"] == []  # 100 Gbit/s, a 2 ms codec: nothing coded
-    assert fast.verdict == pytest.approx((0.010, 0.005)) and fast.uncoded("bucket.0")
-    assert slow.verdict == pytest.approx((0.010, 0.020)) and not slow.uncoded("bucket.0")
+    for p in (fast, slow, warming):  # 100 Gbit/s, a 2 ms codec: the model codes nothing, the one plan tried
+        assert p.decided and p.summary()["tried"] == [{"coding": [], "transport": None}]
+    assert fast.verdict == pytest.approx((0.010, 0.005)) and fast.uncoded("bucket.0") and fast.kept == 0
+    assert slow.verdict == pytest.approx((0.010, 0.020)) and not slow.uncoded("bucket.0") and slow.kept is None
     assert warming.verdict == pytest.approx((0.010, 0.012)) and not warming.uncoded("bucket.0")
 
 
-def test_a_plan_that_codes_everything_with_the_allgather_is_not_tried():
-    p = AutoPlan()
-    _steps(p, [0.010] * (PLAN_STEP + 1), size=2, gbps=0.008)  # 8 Mbit/s: every group coded, 2 ranks: allgather
-    assert p.decided and p.trial is None and not p.uncoded("bucket.0") and p.transport is None
-
-
-def test_where_the_model_codes_with_the_sharded_transport_the_allgather_is_tried_too():
-    """4 ranks at 8 Mbit/s: the model codes the bucket with the sharded transport; the allgather is tried, and
-    kept only where its steps were the faster."""
+def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster():
+    """2 ranks at 8 Mbit/s: the model codes the bucket (with the allgather); every group uncoded is tried."""
     faster, slower = AutoPlan(), AutoPlan()
-    _steps(faster, [0.010] * PLAN_STEP + [0.008] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
-    _steps(slower, [0.010] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
+    _steps(faster, [0.010] * PLAN_STEP + [0.008] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), size=2, gbps=0.008)
+    _steps(slower, [0.010] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3), size=2, gbps=0.008)
     for p in (faster, slower):
-        assert p.decided and p.summary()["tried_coding"] == ["bucket.0"] and p.tried_transport == "allgather"
-        assert not p.uncoded("bucket.0")
-    assert faster.transport == "allgather" and slower.transport is None
-    assert faster.summary()["transport_now"] == "allgather"
+        assert p.decided and p.summary()["tried"] == [{"coding": [], "transport": None}]
+    assert faster.uncoded("bucket.0") and faster.summary()["uncoded_now"]
+    assert not slower.uncoded("bucket.0") and slower.coded is None and slower.transport is None
+
+
+def test_where_the_model_codes_with_the_sharded_transport_the_allgather_and_fp32_are_tried():
+    """4 ranks at 8 Mbit/s: the model codes the bucket with the sharded transport; the allgather is tried, then
+    every group uncoded, each for TRIAL_STEPS steps, and the fastest of the three kinds is kept."""
+    runs = {"allgather": (0.008, 0.009), "fp32": (0.009, 0.008), "sharded": (0.011, 0.012)}
+    plans = {}
+    for kept, (allgather, fp32) in runs.items():
+        p = plans[kept] = AutoPlan()
+        _steps(p, [0.010] * PLAN_STEP + [allgather] * TRIAL_STEPS + [fp32] * TRIAL_STEPS
+               + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
+        assert p.decided and p.summary()["tried"] == [{"coding": "every group", "transport": "allgather"},
+                                                      {"coding": [], "transport": None}]
+        assert p.verdict == pytest.approx((0.010, allgather, fp32))
+    assert plans["allgather"].transport == "allgather" and not plans["allgather"].uncoded("bucket.0")
+    assert plans["fp32"].uncoded("bucket.0") and plans["fp32"].transport is None
+    assert plans["sharded"].coded is None and plans["sharded"].transport is None
 
 
 def _train(gbps, steps, nan_at=None, **options):
@@ -124,8 +133,8 @@ def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_r
 
 
 def test_on_a_slow_link_auto_keeps_coding(untried):
-    """10 Mbit/s: every group coded; the model's sharded transport first, then the allgather it tries (untried
-    here: in force at once), on every rank alike."""
+    """10 Mbit/s: every group coded; the model's sharded transport first, then the allgather, the first plan it
+    tries (untried here: in force at once), on every rank alike."""
     pipes, out = _train(0.01, PLAN_STEP + 2)
     assert all(p.auto.decided and p.auto.coded is None and p.auto.transport == "allgather" for p in pipes)
     names = {(step, g.transport.name) for step, _, groups, _, _ in out for g in groups}
