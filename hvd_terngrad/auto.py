@@ -30,8 +30,8 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed, and then every group is
   coded again for RECHECK_STEPS timed steps (the coded steps before the trial were still warming up, which
   favoured the plan). A coded step then carries every kind's fastest step on each rank, and every rank keeps
-  the plan only if its slowest rank's tried step was faster than its slowest rank's coded step; else every
-  group is coded from then on.
+  the kind whose slowest rank's step was the shortest: the plan only if its tried step beat the coded one,
+  else every group is coded from then on.
 - Where the model codes every group anyway, two plans are tried in turn, TRIAL_STEPS steps each, and the
   fastest of the three kinds is kept: where some group takes the sharded transport, every group coded with
   the allgather (the latency of the sharded transport's second collective, all there is on a small group,
