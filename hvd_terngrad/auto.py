@@ -217,7 +217,7 @@ class AutoPlan:
         else:  # every group coded (module docstring)
             sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
                           for n, _, _ in self.groups.values())
-            self.trials = [(None, "allgather")] * sharded + [(set(), None)]
+            self.trials = ([(None, "allgather")] if sharded else []) + [(set(), None)]
         self.times += [[] for _ in self.trials]
         if TRIAL_STEPS == 0:  # tests: the first plan in force, untried
             self.kept, self.steps = 0, self.verdict_step

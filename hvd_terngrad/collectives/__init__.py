@@ -67,11 +67,11 @@ class Collectives(Protocol):
 
 # Waiting polls. For its first _SPIN_S it yields the core between polls, as hvd.synchronize() does throughout:
 # a step's short waits (latency, a few milliseconds) end as soon as they can; a nap in them ends them late,
-# by up to the nap (docs/time-to-accuracy.md: 1 ms of spinning left a 3 ms ncf step 0.2 ms slower on average
-# than 5 ms). A longer wait is bytes on the wire, or a peer that never comes; spinning through it takes a core
-# that other ranks sharing it, or data loaders, could compute on. So it then sleeps between polls, at most
-# 1/_NAP_FRACTION of the time waited so far and _NAP_MAX_S, which ends it at most that late. The clock is read
-# every _POLLS_PER_CLOCK polls.
+# by up to the nap (measured: docs/time-to-accuracy.md, "Auto on the emulated cluster"). A longer wait is
+# bytes on the wire, or a peer that never comes; spinning through it takes a core that other ranks sharing
+# it, or data loaders, could compute on. So it then sleeps between polls, at most 1/_NAP_FRACTION of the time
+# waited so far and _NAP_MAX_S, which ends it at most that late. The clock is read every _POLLS_PER_CLOCK
+# polls.
 _POLLS_PER_CLOCK = 64
 _SPIN_S = 5e-3
 _NAP_FRACTION = 8
