@@ -179,7 +179,8 @@ class AutoPlan:
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
         if took is not None:
-            self.times[self._trying(s) + 1].append(took)
+            k = self._trying(s)
+            self.times[0 if k is None else k + 1].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -194,14 +195,16 @@ class AutoPlan:
         self._in_force(self.kept if self.decided else self._trying(self.steps))
         self.groups, self.first, self.last = {}, None, None
 
-    def _trying(self, step: int) -> int:
-        """The index of the plan tried on `step`; -1 where every group is coded as the model says."""
-        k = (step - PLAN_STEP) // TRIAL_STEPS if TRIAL_STEPS else -1
-        return k if step >= PLAN_STEP and k < len(self.trials) else -1
+    def _trying(self, step: int) -> int | None:
+        """The index of the plan tried on `step`; None where every group is coded as the model says."""
+        if step < PLAN_STEP or not TRIAL_STEPS:
+            return None
+        k = (step - PLAN_STEP) // TRIAL_STEPS
+        return k if k < len(self.trials) else None
 
     def _in_force(self, k: int | None) -> None:
-        """Tried plan k in force (None or -1: every group coded as the model says)."""
-        self.coded, self.transport = self.trials[k] if k is not None and k >= 0 else (None, None)
+        """Tried plan k in force (None: every group coded as the model says)."""
+        self.coded, self.transport = self.trials[k] if k is not None else (None, None)
 
     def _plan(self, size: int, link: Link, int8: bool) -> None:
         """The plans to try, from the agreed measurement; none (every group coded from now on) where nothing
