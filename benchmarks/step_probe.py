@@ -61,15 +61,18 @@ def main(argv=None) -> int:
         model = data.model()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         net, opt, tg = build(method, model, data)
-        times = []
+        times, cpu = [], []
         for _ in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
             opt.zero_grad()
             data.loss(net, idx).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
+            cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
         line = (f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms, "
-                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms")
+                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms; CPU a step "
+                f"{1e3 * statistics.mean(c[0] for c in cpu[50:]):.2f} ms in the training thread, "
+                f"{1e3 * statistics.mean(c[1] for c in cpu[50:]):.2f} ms in the process")
         stats = getattr(tg, "stats", None)
         if stats is not None and stats.history:
             h = stats.history[50:]

@@ -6,7 +6,7 @@
 
 Real training on real data (the fidelity suite's tasks and recipes, benchmarks/fidelity_suite.py), one rank
 per emulated node (benchmarks/cluster.py). One job per (profile, task, seed) trains every method in turn, from
-the same initial weights and the same batches. The clock is rank 0's and covers the training steps only: at
+the same initial weights and the same batches; the order turns with the seed (_in_turn). The clock is rank 0's and covers the training steps only: at
 each evaluation it stops, rank 0 evaluates, every rank meets at a barrier, and it starts again.
 
 The target is FP32's final metric (the mean over DDP's and Horovod's FP32 and over the seeds) minus 0.5 pp
@@ -268,6 +268,14 @@ def _job(cluster, task: str, seed: int, methods: str, timeout: float) -> tuple[l
     return runs, reason
 
 
+def _in_turn(methods: list[str], seed: int) -> list[str]:
+    """The order in which a job trains its methods: rotated by the seed. A job's processes carry state from one
+    method to the next (the allocator, threads, process groups), and a slow spell of the machine lasts longer
+    than one run; over the seeds, each method takes a different place, so neither falls on one method alone."""
+    k = seed % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def _error_line(output: str) -> str:
     """The line that says what went wrong: the last that names an error, else the last one."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
@@ -299,7 +307,8 @@ def main(argv=None) -> int:
     from benchmarks.cluster import PROFILES, ClusterUnavailable, EmulatedCluster
     from hvd_terngrad.methods import parse_method
 
-    for m in args.methods.split(","):
+    methods = args.methods.split(",")
+    for m in methods:
         parse_method(m)  # a bad name fails now
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +320,7 @@ def main(argv=None) -> int:
                 with EmulatedCluster(args.nodes, PROFILES[profile]) as cluster:
                     for task in args.tasks.split(","):
                         for seed in [int(s) for s in args.seeds.split(",")]:
-                            new, reason = _job(cluster, task, seed, args.methods, args.timeout)
+                            new, reason = _job(cluster, task, seed, ",".join(_in_turn(methods, seed)), args.timeout)
                             for r in new:
                                 r["profile"] = profile
                                 print(f"{profile:>11} {task} seed {seed} {r['method']:<44} final {r['final']:.2f}, "

@@ -31,10 +31,11 @@ from hvd_terngrad.pipeline import Group, Stage
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "coded", "node_handles", "group")
+    __slots__ = ("index", "key", "params", "ready", "coded", "node_handles", "group")
 
     def __init__(self, index: int, params: list):
         self.index = index
+        self.key = f"bucket.{index}"  # its group's name in the pipeline (and in auto's plan)
         self.params = params
         self.reset()
 
@@ -88,7 +89,7 @@ class _Uncoded:
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
-        averages = [self.world.wait(h, f"the float average of {name!r}") for name, _, h in floats]
+        averages = self.world.wait_all([h for _, _, h in floats], [f"the float average of {n!r}" for n, _, _ in floats])
         culprit = nonfinite(averages) if self.on_nonfinite != "propagate" else []
         if culprit and self.on_nonfinite == "raise":  # the same averages on every rank: every rank asks
             mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])
@@ -227,12 +228,12 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                     self._bucket_member_ready(b, p)
                 return
             self._densified[p] = p.grad.to_dense()
-        self._pipe.coder.check_dtype(name, self._grad(p))
+        g = self._grad(p)
+        self._pipe.coder.check_dtype(name, g)
         if b is None:
-            self._uncoded.send_float(p, name, self._grad(p))
+            self._uncoded.send_float(p, name, g)
             return
         if self._sends_uncoded(b):  # a coded tensor until the plan: its residual goes along
-            g = self._grad(p)
             self._pipe.coder.merge_residual(name, g)
             self._uncoded.send_float(p, name, g)
             return
@@ -245,7 +246,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         """Whether transport="auto" sends bucket b uncoded: then each of its tensors is averaged as soon as it is
         ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's float average inside
         the node comes first, so it goes through the pipeline, as one group."""
-        return self._hier is None and self._pipe.sends_uncoded(f"bucket.{b.index}")
+        return self._hier is None and self._pipe.sends_uncoded(b.key)
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)
@@ -271,7 +272,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         """Start the bucket through the pipeline (hierarchical: only where this rank codes it)."""
         if self._hier is not None and not self._hier.codes(b.index):
             return
-        b.group = self._pipe.start(f"bucket.{b.index}", [(self._name_of[q], self._grad(q)) for q in b.coded],
+        b.group = self._pipe.start(b.key, [(self._name_of[q], self._grad(q)) for q in b.coded],
                                    what=self._what_bucket(b))
 
     def _progress(self):

@@ -195,6 +195,18 @@ def test_a_stuck_rank_makes_the_others_fail_in_bounded_time(front):
         assert "rank 0 of 2 failed" in msg and f"rank 0 waited 5 s for {what}" in msg, msg[-3000:]
 
 
+def body_stuck_rank_uncoded():
+    """As body_stuck_rank, with every tensor left in float (the optimizer's own float averages)."""
+    _train_with_a_sleepy_rank("hvd_terngrad", 10, 3, 120, timeout_s=5, min_numel=2**62)
+    return "finished"
+
+
+def test_a_stuck_rank_fails_the_optimizers_float_averages_in_bounded_time():
+    """The float averages of a step share one wait: on a timeout it names the first still missing."""
+    msg = run_ranks_failing("tests.test_edge_cases:body_stuck_rank_uncoded", np=2, within=45)
+    assert "rank 0 of 2 failed" in msg and "rank 0 waited 5 s for the float average of '" in msg, msg[-3000:]
+
+
 def body_late_rank(front):
     """Rank 1 reaches backward 0.6 s late at step 2; rank 0's wait in that step, wall and CPU seconds."""
     stats = _train_with_a_sleepy_rank(front, 4, 2, 0.6)

@@ -37,6 +37,14 @@ def test_the_target_is_fp32s_mean_final_less_half_a_point_and_time_is_the_first_
     assert T.time_to(lm, 2.02) == 20
 
 
+def test_a_jobs_order_turns_with_the_seed_so_each_method_takes_every_place():
+    methods = ["fp32", "ddp:fp32", "terngrad"]
+    orders = [T._in_turn(methods, seed) for seed in range(3)]
+    assert orders[0] == methods and orders[1] == ["ddp:fp32", "terngrad", "fp32"]
+    assert all(sorted(o) == sorted(methods) for o in orders)
+    assert {o.index("terngrad") for o in orders} == {0, 1, 2}
+
+
 def test_summary_takes_medians_over_seeds_and_compares_with_fp32_and_the_best_peer():
     rows = {r["method"]: r for r in T.summarize(RUNS)}
     tg = rows["terngrad"]

@@ -88,6 +88,22 @@ class HorovodCollectives:
             bounded_wait(lambda: hvd.poll(handle), self.timeout_s, lambda: self.timeout_message(what))
             return hvd.synchronize(handle)
 
+    def wait_all(self, handles: list, whats: list[str]) -> list[torch.Tensor]:
+        """The results of many in-place collectives (plain handles) in one bounded wait, as the front end waits
+        for a step's float averages. One wait for each costs a timer and a wait loop apiece on the training
+        thread, which shares its core with other ranks (measured: docs/time-to-accuracy.md, "Where Horovod's
+        FP32 gap went"). On a timeout it names the first that is not done."""
+        left = list(zip(handles, whats))
+
+        def done() -> bool:
+            while left and hvd.poll(left[-1][0]):  # the last started is most often the last done
+                left.pop()
+            return not left
+
+        with timed(self.stats):
+            bounded_wait(done, self.timeout_s, lambda: self.timeout_message(left[-1][1]))
+            return [hvd.synchronize(h) for h in handles]
+
     def _int8_sum_(self, values: torch.Tensor, what: str) -> torch.Tensor:
         """In-place int8 Sum allreduce through mpi4py (blocking).
 
