@@ -104,12 +104,12 @@ class Coder:
 
     def merge_residual(self, name: str, grad: torch.Tensor) -> None:
         """Error feedback, for a gradient about to be averaged uncoded: its residual added into it (the average
-        carries it, so nothing is lost), and then zero."""
+        carries it, so nothing is lost), and let go. Kept at zero, it would cost two passes over the tensor at
+        every uncoded step; coded again, the tensor starts a new one."""
         if self.config.error_feedback:
-            residual = self.feedback.residual(name, grad)  # it checks size, dtype and device only
+            residual = self.feedback.take(name, grad)  # it checks size, dtype and device only
             if residual is not None:
                 grad.add_(residual.view(grad.shape))
-                residual.zero_()
 
     def _flat(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`grad` checked, as one contiguous flat tensor, and its error-feedback residual (or None)."""

@@ -59,7 +59,8 @@ class TernGradState:
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order", "_bounded")
+    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order", "_bounded",
+                 "_kinds")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None, **options):
         if config is not None and options:
@@ -78,6 +79,7 @@ class TernGradState:
         self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
         self._bounded = None  # the world again, with gloo's timeout at timeout_s: the hook's own averages
+        self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -110,12 +112,19 @@ class TernGradState:
         """The bucket's gradients as (name, view of the buffer): the coded ones, and those that stay in float."""
         coded, floats = [], []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):  # views of the bucket's buffer
-            name = self.names.get(p)
-            if name is None:
-                raise ValueError("hvd_terngrad: a DDP bucket holds a parameter that is not among the "
-                                 "named_parameters given to TernGradState (pass the DDP module's)")
-            (coded if self.config.compresses(name, p.numel()) else floats).append((name, grad))
+            kind = self._kinds.get(p)
+            if kind is None:
+                kind = self._kinds[p] = self._kind(p)
+            (coded if kind[1] else floats).append((kind[0], grad))
         return coded, floats
+
+    def _kind(self, p) -> tuple:
+        """(p's name, whether it is coded): config.compresses matches names against patterns."""
+        name = self.names.get(p)
+        if name is None:
+            raise ValueError("hvd_terngrad: a DDP bucket holds a parameter that is not among the "
+                             "named_parameters given to TernGradState (pass the DDP module's)")
+        return name, self.config.compresses(name, p.numel())
 
     def _averages_now(self, bucket: dist.GradBucket) -> bool:
         """Whether the hook averages this bucket itself (_average_now): transport="auto"'s plan in force sends

@@ -27,6 +27,13 @@ class ErrorFeedback:
         return kept if kept is not None and kept.numel() == flat.numel() and kept.dtype == flat.dtype \
             and kept.device == flat.device else None
 
+    def take(self, name: str, flat: torch.Tensor) -> torch.Tensor | None:
+        """residual(), given up: for a gradient averaged uncoded, which carries the residual whole."""
+        kept = self.residual(name, flat)
+        if kept is not None:
+            del self.worker[name]
+        return kept
+
     def worker_out(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """Where the kernels write the residual of `flat`'s coding: the residual itself, updated in place, or a new
         buffer the first time (kept from then on: no allocation per step)."""

@@ -125,9 +125,9 @@ def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_r
             continue
         assert names == {"fp32"}, (step, key)
         exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
-        if step == PLAN_STEP:  # the residuals of the coded steps go along once, then they are zero
+        if step == PLAN_STEP:  # the residuals of the coded steps go along once, then they are let go
             assert not torch.equal(torch.cat(averages[0]), exact)
-            assert all(float(r.abs().max()) == 0 for p in pipes for r in p.coder.feedback.worker.values())
+            assert not any(p.coder.feedback.worker for p in pipes)
         else:  # bit for bit Horovod's float average
             assert all(torch.equal(torch.cat(a), exact) for a in averages)
 
