@@ -6,8 +6,9 @@
 
 Real training on real data (the fidelity suite's tasks and recipes, benchmarks/fidelity_suite.py), one rank
 per emulated node (benchmarks/cluster.py). One job per (profile, task, seed) trains every method in turn, from
-the same initial weights and the same batches; the order turns with the seed (_in_turn). The clock is rank 0's and covers the training steps only: at
-each evaluation it stops, rank 0 evaluates, every rank meets at a barrier, and it starts again.
+the same initial weights and the same batches; the order turns with the seed (_in_turn). The clock is rank
+0's and covers the training steps only: at each evaluation it stops, rank 0 evaluates, every rank meets at a
+barrier, and it starts again.
 
 The target is FP32's final metric (the mean over DDP's and Horovod's FP32 and over the seeds) minus 0.5 pp
 for accuracy, or plus 1% for bits per character. A run's time to target is the clock at the first evaluation

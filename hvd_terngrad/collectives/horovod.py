@@ -91,8 +91,8 @@ class HorovodCollectives:
     def wait_all(self, handles: list, whats: list[str]) -> list[torch.Tensor]:
         """The results of many in-place collectives (plain handles) in one bounded wait, as the front end waits
         for a step's float averages. One wait for each costs a timer and a wait loop apiece on the training
-        thread, which shares its core with other ranks (measured: docs/time-to-accuracy.md, "Where Horovod's
-        FP32 gap went"). On a timeout it names the first that is not done."""
+        thread, which shares its core with other ranks (measured: docs/time-to-accuracy.md, "Auto on the
+        emulated cluster"). On a timeout it names the latest started that is not done."""
         left = list(zip(handles, whats))
 
         def done() -> bool:
