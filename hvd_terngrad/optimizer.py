@@ -89,7 +89,7 @@ class _Uncoded:
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
-        averages = self.world.wait_all([h for _, _, h in floats], [f"the float average of {n!r}" for n, _, _ in floats])
+        averages = self.world.wait_all([h for _, _, h in floats], lambda i: f"the float average of {floats[i][0]!r}")
         culprit = nonfinite(averages) if self.on_nonfinite != "propagate" else []
         if culprit and self.on_nonfinite == "raise":  # the same averages on every rank: every rank asks
             mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Callable
 
 import horovod.torch as hvd
 import torch
@@ -88,20 +89,21 @@ class HorovodCollectives:
             bounded_wait(lambda: hvd.poll(handle), self.timeout_s, lambda: self.timeout_message(what))
             return hvd.synchronize(handle)
 
-    def wait_all(self, handles: list, whats: list[str]) -> list[torch.Tensor]:
+    def wait_all(self, handles: list, what: Callable[[int], str]) -> list[torch.Tensor]:
         """The results of many in-place collectives (plain handles) in one bounded wait, as the front end waits
         for a step's float averages. One wait for each costs a timer and a wait loop apiece on the training
         thread, which shares its core with other ranks (measured: docs/time-to-accuracy.md, "Auto on the
-        emulated cluster"). On a timeout it names the latest started that is not done."""
-        left = list(zip(handles, whats))
+        emulated cluster"). On a timeout it names, as what(i), the latest started that is not done."""
+        left = len(handles)  # handles[:left] may not be done
 
         def done() -> bool:
-            while left and hvd.poll(left[-1][0]):  # the last started is most often the last done
-                left.pop()
+            nonlocal left
+            while left and hvd.poll(handles[left - 1]):  # the last started is most often the last done
+                left -= 1
             return not left
 
         with timed(self.stats):
-            bounded_wait(done, self.timeout_s, lambda: self.timeout_message(left[-1][1]))
+            bounded_wait(done, self.timeout_s, lambda: self.timeout_message(what(left - 1)))
             return [hvd.synchronize(h) for h in handles]
 
     def _int8_sum_(self, values: torch.Tensor, what: str) -> torch.Tensor:
