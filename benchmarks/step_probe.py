@@ -42,7 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="ncf")
     ap.add_argument("--methods", default="fp32,float,terngrad:auto")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
+                    "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)
+    if args.spin_s is not None:
+        import hvd_terngrad.collectives
+
+        hvd_terngrad.collectives._SPIN_S = args.spin_s
 
     import horovod.torch as hvd
     import torch
