@@ -85,9 +85,7 @@ class HorovodCollectives:
             return self.wait(handle.handle, what)[0]  # (output, received splits)
         if isinstance(handle, _Int8Sum):
             return self._int8_sum_(handle.values, what)
-        with timed(self.stats):
-            bounded_wait(lambda: hvd.poll(handle), self.timeout_s, lambda: self.timeout_message(what))
-            return hvd.synchronize(handle)
+        return self.wait_all([handle], lambda _: what)[0]
 
     def wait_all(self, handles: list, what: Callable[[int], str]) -> list[torch.Tensor]:
         """The results of many in-place collectives (plain handles) in one bounded wait, as the front end waits
