@@ -75,8 +75,10 @@ def main(argv=None) -> int:
             opt.step()
             times.append(time.perf_counter() - t0)
             cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
+        q = statistics.quantiles(times[50:], n=100)
         line = (f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms, "
-                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms; CPU a step "
+                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
+                "CPU a step "
                 f"{1e3 * statistics.mean(c[0] for c in cpu[50:]):.2f} ms in the training thread, "
                 f"{1e3 * statistics.mean(c[1] for c in cpu[50:]):.2f} ms in the process")
         stats = getattr(tg, "stats", None)
