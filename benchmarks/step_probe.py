@@ -1,5 +1,5 @@
-"""The median step of each method on a fidelity-suite task, with TernGrad's phase times: where a front end's
-own time goes, beside Horovod's and DDP's FP32.
+"""The median step of each method on a fidelity-suite task (and its mean, p90 and p99), with TernGrad's phase
+times: where a front end's own time goes, beside Horovod's and DDP's FP32.
 
     python -m benchmarks.cluster run --nodes 4 --profile fast -- \\
         python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
@@ -75,12 +75,12 @@ def main(argv=None) -> int:
             opt.step()
             times.append(time.perf_counter() - t0)
             cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
-        q = statistics.quantiles(times[50:], n=100)
-        line = (f"{args.task} {method}: median step {1e3 * statistics.median(times[50:]):.2f} ms, "
-                f"mean {1e3 * statistics.mean(times[50:]):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
-                "CPU a step "
-                f"{1e3 * statistics.mean(c[0] for c in cpu[50:]):.2f} ms in the training thread, "
-                f"{1e3 * statistics.mean(c[1] for c in cpu[50:]):.2f} ms in the process")
+        steps, cpus = times[50:], cpu[50:]  # past the first steps' warm-up
+        q = statistics.quantiles(steps, n=100)
+        line = (f"{args.task} {method}: median step {1e3 * statistics.median(steps):.2f} ms, mean "
+                f"{1e3 * statistics.mean(steps):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
+                f"CPU a step {1e3 * statistics.mean(c[0] for c in cpus):.2f} ms in the training thread, "
+                f"{1e3 * statistics.mean(c[1] for c in cpus):.2f} ms in the process")
         stats = getattr(tg, "stats", None)
         if stats is not None and stats.history:
             h = stats.history[50:]
