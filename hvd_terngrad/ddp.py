@@ -7,20 +7,21 @@
 
 No Horovod: the collectives are torch.distributed's (gloo on CPU, NCCL on GPU; collectives.distributed), and
 `torchrun` launches the job. hierarchical=True finds the nodes itself (hierarchy.discover_torch) and codes only
-between them, as hvd_terngrad's Horovod optimizer does. Each DDP bucket goes through the pipeline as one group:
-its coded tensors share their scalers in one Max allreduce and travel with the configured transport; the
-tensors that stay in float (min_numel, exclude) are averaged in one allreduce. The codes depend on (seed, step,
-rank, tensor name) and the shared scaler, not on the buckets, so for allgather, summed and sharded the average
-is bit for bit the one hvd_terngrad's Horovod optimizer computes (sharded-ternary's owners draw per bucket, so
-there it differs).
+between them, as hvd_terngrad's Horovod optimizer does. DDP's buckets go through the pipeline in groups of at
+least bucket_bytes (4 MiB, as the optimizer's buckets) or up to the step's last bucket: a smaller bucket (DDP
+caps its first at 1 MB) waits for the next. A group's coded tensors share their scalers in one Max allreduce
+and travel with the configured transport, two collectives whatever its size; the tensors that stay in float
+(min_numel, exclude) are averaged in one allreduce. The codes depend on (seed, step, rank, tensor name) and the
+shared scaler, not on the buckets, so for allgather, summed and sharded the average is bit for bit the one
+hvd_terngrad's Horovod optimizer computes (sharded-ternary's owners draw per group, so there it differs).
 
-How it overlaps backward (the trade-off against a hook that waits inside itself): the hook hands the bucket to
-one worker thread of this state and returns its future. The worker runs the whole exchange (moments, scaler
-allreduce, encode, transport, decode) while backward goes on, bucket after bucket in the order DDP launches
-them, and completes the future. One thread issues every collective: torch.distributed matches collectives by
-the order in which each rank issues them, so two threads issuing them could pair different collectives across
-ranks. DDP waits for every future at the end of backward. As DDP expects of a hook, the future's value is the
-bucket's average (DDP does not divide by the world size).
+How it overlaps backward (the trade-off against a hook that waits inside itself): the hook hands each group of
+buckets to one worker thread of this state and returns each bucket's future. The worker runs the whole
+exchange (moments, scaler allreduce, encode, transport, decode) while backward goes on, group after group in
+the order DDP launches the buckets, and completes the futures. One thread issues every collective:
+torch.distributed matches collectives by the order in which each rank issues them, so two threads issuing them
+could pair different collectives across ranks. DDP waits for every future at the end of backward. As DDP
+expects of a hook, the future's value is the bucket's average (DDP does not divide by the world size).
 
 Where transport="auto" sends every bucket uncoded, no coded bucket's collectives need keeping in order, and
 the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
@@ -42,6 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES
 from hvd_terngrad.collectives.distributed import TorchCollectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError
@@ -56,13 +58,20 @@ class TernGradState:
     named_parameters: the module's named parameters (names key the codes, exclude= and the errors).
     config / **options: a TernGradConfig, or its fields as keywords.
     process_group: the torch.distributed group DDP averages over (default: the whole world).
+    bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with them, as
+        one group of at least this many bytes or up to the step's last bucket (0: each bucket on its own). A
+        group costs two collectives whatever its size, which on a slow link outweighs the overlap a small
+        bucket would buy (measured: docs/time-to-accuracy.md); DDP's own 25 MB buckets go alone.
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "names", "pipeline", "world", "hierarchy", "_order", "_bounded",
-                 "_kinds")
+    __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
+                 "_bounded", "_kinds", "_held")
 
-    def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None, **options):
+    def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be an integer >= 0, got {bucket_bytes!r}")
         if config is not None and options:
             raise ValueError("pass either config= or keyword options, not both")
         self.config = config if config is not None else TernGradConfig(**options)
@@ -73,6 +82,7 @@ class TernGradState:
             raise ValueError("on_nonfinite='skip' needs an optimizer TernGrad owns; with DDP use 'raise' or, for "
                              "AMP's GradScaler, 'propagate'")
         self.process_group = process_group
+        self.bucket_bytes = bucket_bytes  # a group goes to the pipeline once its DDP buckets hold this many bytes
         self.names = {p: n for n, p in named_parameters}  # parameter -> its name
         self.pipeline: Optional[Pipeline] = None  # made on the first bucket: the process group is up by then
         self.world: Optional[TorchCollectives] = None  # the whole group: the float averages
@@ -80,6 +90,7 @@ class TernGradState:
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
         self._bounded = None  # the world again, with gloo's timeout at timeout_s: the hook's own averages
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
+        self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -175,7 +186,15 @@ class TernGradState:
 
         return summed.then(finish)
 
-    def _finish(self, job: "_Job") -> torch.Tensor:
+    def _send_held(self) -> None:
+        """The held buckets to the worker, as one group."""
+        if self._held:
+            jobs, self._held = self._held, []
+            self._order.submit_into(lambda: self._finish(jobs), [j.future for j in jobs])
+
+    def _finish(self, jobs: list) -> list:
+        """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
+        job = jobs[0] if len(jobs) == 1 else _Job.merged(jobs)
         pipe, comm, h = self.pipeline, self.world, self.hierarchy
         if h is None and job.floats and pipe.sends_uncoded(f"bucket.{job.index}"):  # one fp32 average, in place
             job.coded, job.floats = job.coded + job.floats, []
@@ -206,7 +225,7 @@ class TernGradState:
                 v.copy_(avg[off: off + v.numel()].view(v.shape))
                 off += v.numel()
         self._step_done(job)
-        return job.buffer
+        return [j.buffer for j in jobs]
 
     def _finish_in_node(self, job: "_Job") -> None:
         """hierarchical: the coder's averages broadcast to its node (a rank that found a non-finite average fills
@@ -230,24 +249,42 @@ class TernGradState:
 
 
 class _Job:
-    __slots__ = ("index", "last", "buffer", "coded", "floats", "group", "ready")
+    """A DDP bucket's exchange, or (merged) that of a group of consecutive buckets."""
+
+    __slots__ = ("index", "last", "buffer", "coded", "floats", "group", "ready", "future")
 
     def __init__(self, bucket, coded, floats):
         self.index, self.last, self.buffer = bucket.index(), bucket.is_last(), bucket.buffer()
         self.ready = time.perf_counter()  # when backward handed the bucket over (transport="auto" measures it)
         self.coded, self.floats = coded, floats
         self.group: Optional[Group] = None  # in the pipeline, once the worker started it
+        self.future = torch.futures.Future()  # the bucket's average, or the exchange's error
+
+    @classmethod
+    def merged(cls, jobs: list) -> "_Job":
+        """One group of several buckets: named by the first (its pipeline group and auto's plan), ready with
+        the last."""
+        job = cls.__new__(cls)
+        job.index, job.last, job.buffer, job.ready = jobs[0].index, jobs[-1].last, None, jobs[-1].ready
+        job.coded = [x for j in jobs for x in j.coded]
+        job.floats = [x for j in jobs for x in j.floats]
+        job.group = job.future = None
+        return job
 
 
 def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's average with TernGrad (Wen et al., NeurIPS 2017), 2-bit stochastic
-    ternary codes and a shared scaler per tensor. The state's worker thread exchanges the bucket while backward
-    goes on, and completes the returned future."""
+    ternary codes and a shared scaler per tensor. The state's worker thread exchanges the bucket (with the
+    buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
     state.connect()
     if state._averages_now(bucket):
+        state._send_held()  # a bucket of another dtype, coded or not, waits for none after it
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
-    return state._order.submit(lambda: state._finish(job))
+    state._held.append(job)
+    if job.last or sum(j.buffer.numel() * j.buffer.element_size() for j in state._held) >= state.bucket_bytes:
+        state._send_held()
+    return job.future.then(_value_or_raise)
 
 
 class _Serial:
@@ -263,29 +300,39 @@ class _Serial:
         self._thread: Optional[threading.Thread] = None  # started on the first bucket
 
     def submit(self, run) -> torch.futures.Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
         fut = torch.futures.Future()  # the worker sets the tensor, or the error
-        self._queue.put((run, fut))
+        self.submit_into(lambda: [_resolved(run())], [fut])
         # An error set with set_exception reaches DDP's C++ side as "Unable to cast <message> to Tensor"; raised
         # in a callback, it reaches the user as "...when running the callback: <Type>: <message>"
         return fut.then(_value_or_raise)
 
+    def submit_into(self, run, futures: list) -> None:
+        """run() returns a value per future, which the worker sets in them (or its error in all of them); the
+        caller hands DDP `future.then(_value_or_raise)`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put((run, futures))
+
     def _loop(self) -> None:
         while True:
-            run, fut = self._queue.get()
+            run, futures = self._queue.get()
             try:
-                out = run()
-                value = out.wait() if isinstance(out, torch._C.Future) else out
+                values = run()
             except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
-                value = exc.with_traceback(None)  # its frames would hold the bucket's collectives
-            # Let go of the bucket's hook and its futures before DDP may go on: they keep their process group's
+                values = [exc.with_traceback(None)] * len(futures)  # its frames would hold the collectives
+            # Let go of the buckets' hook and its futures before DDP may go on: they keep their process group's
             # work alive, and the training may end and destroy the group the moment the result is set; work
             # destroyed after its group (at interpreter exit, from this thread) aborts the process
-            out = run = None
-            fut.set_result(value)
-            del fut, value
+            run = None
+            for fut, value in zip(futures, values):
+                fut.set_result(value)
+            del futures, values, fut, value
+
+
+def _resolved(out):
+    """A hook's result: its future waited for (another hook's, run in launch order), or the tensor itself."""
+    return out.wait() if isinstance(out, torch._C.Future) else out
 
 
 def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:

@@ -74,6 +74,52 @@ def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
         assert ddp == ref, name
 
 
+def body_ddp_groups(port):
+    """DDP's many small buckets through the hook: together (the default bucket_bytes), and each on its own (0).
+    Per setting: the parameters after 3 steps, and the (step, key) of every group the pipeline started."""
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    out = []
+    for bucket_bytes in ({}, {"bucket_bytes": 0}):
+        model = G.Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+        state = TernGradState(model.named_parameters(), **{**G.COMMON, "min_numel": 1, "exclude": ()}, **bucket_bytes)
+        pipe, groups = state.connect(), []
+        pipe.start = _counting(pipe, groups)
+        ddp.register_comm_hook(state, terngrad_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            G.loss(ddp, rank, step).backward()
+            opt.step()
+        out.append((G.digest(model.parameters()), groups))
+        del ddp, state, pipe
+    _close_gloo()
+    return out
+
+
+def _counting(pipe, groups: list):
+    """pipe.start, recording the (step, key) of every group it starts in `groups`."""
+    start = pipe.start
+
+    def counted(key, *args, **kwargs):
+        groups.append((pipe.step, key))
+        return start(key, *args, **kwargs)
+
+    return counted
+
+
+def test_the_hook_sends_ddps_small_buckets_together_with_the_same_bits():
+    res = run_ranks("tests.test_ddp:body_ddp_groups", np=2, timeout=120, args=(29711,))
+    for (together, groups), (alone, alone_groups) in res:
+        assert together == alone == res[0][0][0]  # the codes depend on the names, not on the groups
+        assert groups == [(0, "bucket.0"), (1, "bucket.0"), (2, "bucket.0")]  # one group a step
+        # bucket_bytes=0: a group per DDP bucket, several once DDP has made its buckets after the first step
+        assert all(sum(1 for s, _ in alone_groups if s == step) > 1 for step in (1, 2)), alone_groups
+
+
 def _link_distributions(roots, site, into) -> None:
     """Link into `into` every top-level file and folder of the distributions `roots` need (their requirements
     without extras, transitively), metadata included, from the site-packages `site`."""
@@ -316,3 +362,5 @@ def test_the_hook_refuses_what_ddp_cannot_do_with_a_reason():
         TernGradState(model.named_parameters(), hierarchical=True, process_group=object())
     with pytest.raises(ValueError, match="on_nonfinite='skip' needs an optimizer"):
         TernGradState(model.named_parameters(), on_nonfinite="skip")
+    with pytest.raises(ValueError, match="bucket_bytes must be an integer >= 0"):
+        TernGradState(model.named_parameters(), bucket_bytes=-1)
