@@ -195,8 +195,8 @@ class TernGradState:
     def _finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
         job = jobs[0] if len(jobs) == 1 else _Job.merged(jobs)
-        pipe, comm, h = self.pipeline, self.world, self.hierarchy
-        if h is None and job.floats and pipe.sends_uncoded(f"bucket.{job.index}"):  # one fp32 average, in place
+        pipe, comm, h, key = self.pipeline, self.world, self.hierarchy, f"bucket.{job.index}"
+        if h is None and job.floats and pipe.sends_uncoded(key):  # one fp32 average, in place
             job.coded, job.floats = job.coded + job.floats, []
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
         floats = None
@@ -208,7 +208,7 @@ class TernGradState:
             h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
         if job.coded and (h is None or h.codes(job.index)):
             more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
-            job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False, ready=job.ready,
+            job.group = pipe.start(key, job.coded, send_when_shared=False, ready=job.ready,
                                    what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
             pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
             pipe.progress(job.group, block=True)  # the second collective of a sharded transport
@@ -278,7 +278,7 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
     state.connect()
     if state._averages_now(bucket):
-        state._send_held()  # a bucket of another dtype, coded or not, waits for none after it
+        state._send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
     state._held.append(job)
