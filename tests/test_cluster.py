@@ -48,7 +48,8 @@ def test_two_node_smoke_run_over_a_shaped_link(tmp_path):
             assert row["workers"] == 2 and row["img_sec_total"] > 0
             # the compute probe took its steps between the timed iterations
             cp = row["compute_probe"]
-            assert 0 < cp["forward"] + cp["backward"] <= cp["step"]
+            # each part is its slowest rank's, so the parts may sum past the step when two ranks are slowest
+            assert 0 < cp["forward"] <= cp["step"] and 0 < cp["backward"] <= cp["step"]
             assert set(cp["ready"]) == {"net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"}
             assert all(0 < t <= cp["backward"] * 1.01 for t in cp["ready"].values())
             # the codes crossed the shaped link: at least the allgathered records of the coded tensor
