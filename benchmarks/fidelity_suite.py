@@ -50,10 +50,12 @@ from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.methods import parse_method, powersgd_start
 
 # The default suite: FP32, the paper's TernGrad, each option alone, each transport, and the recommended
-# configuration (TernGradConfig.recommended()). ABLATIONS take the recommended one apart; run them by name.
+# configuration (TernGradConfig.recommended()). ABLATIONS take the recommended one apart, or vary it (its
+# scalers unshared: no Max allreduce before the codes); run them by name.
 METHODS = ("fp32", "terngrad", "terngrad:noclip", "terngrad:noshare", "terngrad:ef", "terngrad:block64",
            "terngrad:sharded", "terngrad:sharded-ternary", "terngrad:noclip:ef:block64")
-ABLATIONS = ("terngrad:block256", "terngrad:noclip:block64", "terngrad:ef:block64", "terngrad:noclip:ef")
+ABLATIONS = ("terngrad:block256", "terngrad:noclip:block64", "terngrad:ef:block64", "terngrad:noclip:ef",
+             "terngrad:noclip:noshare:ef:block64")
 # The strongest practical peer: torch's PowerSGD hook at ranks 1 and 4 (SimulatedPowerSGD); run by name
 PEERS = ("ddp:powersgd", "ddp:powersgd4")
 _ORDER = METHODS + PEERS + ABLATIONS  # the report's order
