@@ -20,6 +20,7 @@ once per tensor; the hvd_terngrad optimizer does both once per bucket.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -33,6 +34,7 @@ from horovod.torch.compression import Compressor
 import hvd_terngrad.hierarchy as hierarchy
 from hvd_terngrad.collectives.horovod import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.errors import NonFiniteGradientError, PayloadMismatchError, TernGradError
 from hvd_terngrad.pipeline import Group, Pipeline, Stage
 from hvd_terngrad.transports import TRANSPORTS
 
@@ -67,6 +69,7 @@ class TernGrad(Compressor):
         self._calls = 0
         self._done = 0
         self._pending: list[Group] = []  # this step's groups not yet sent in full
+        self._sent: list[Group] = []  # this step's groups whose transports _send_all started
         self._lock = threading.Lock()  # held while this thread works on the pipeline; the watchdog waits for it
         self._watchdog: _Watchdog | None = None
 
@@ -191,12 +194,24 @@ class TernGrad(Compressor):
         different parameters; a rank waiting for one tensor's codes before it has sent the others' would wait
         for a peer that waits for it."""
         pending, self._pending = self._pending, []
+        self._sent = pending
         self._watchdog.started.clear()
         for g in pending:  # every scaler allreduce was started on every rank: these waits end
             if g.stage is Stage.SCALER:
                 pipe.progress(g, block=True)
         for g in pending:
             pipe.progress(g, block=True)
+
+    def _finish_sent(self, pipe: Pipeline) -> None:
+        """Before raising an error that every rank raises: wait for the step's other transports. Ranks reach
+        the error at different tensors (each decompresses in its own order); one that left with transports in
+        flight would end its Horovod under a peer still starting them, and the peer would fail with "Horovod
+        has been shut down" instead of this error."""
+        for g in self._sent:
+            if g.stage is not Stage.DONE:
+                # a peer that never joined fails on its own; this rank reports its own error
+                with contextlib.suppress(TernGradError):
+                    pipe.finish(g, decode=False)
 
     def _check_stock_options(self) -> None:
         cfg = self.config
@@ -224,8 +239,12 @@ class TernGrad(Compressor):
             with self._lock:
                 if self._pending:  # the step's first decompress(): every rank has compressed every tensor
                     self._send_all(pipe)
-                (avg,) = pipe.finish(g)
-            pipe.coder.raise_nonfinite(g.items if self.config.on_nonfinite == "raise" else [])
+                try:
+                    (avg,) = pipe.finish(g)
+                    pipe.coder.raise_nonfinite(g.items if self.config.on_nonfinite == "raise" else [])
+                except (NonFiniteGradientError, PayloadMismatchError):
+                    self._finish_sent(pipe)
+                    raise
             it = g.items[0]
             return avg.view(it.shape).to(it.dtype)
         finally:

@@ -1,5 +1,6 @@
 """TernGrad through Horovod on real processes (2 and 4 ranks): both front ends, exactness, options."""
 import re
+import time
 
 import pytest
 import torch
@@ -197,12 +198,21 @@ def test_exclusion_by_name_and_backward_passes_per_step():
     assert a[0]["stats"]["tensors_coded"] == 2 and a[0]["stats"]["tensors_float"] == 4
 
 
-def body_nonfinite(front, on_nonfinite, min_numel=100):
+def body_nonfinite(front, on_nonfinite, min_numel=100, slow_sends=False):
     import horovod.torch as hvd
 
     import hvd_terngrad
+    from hvd_terngrad.pipeline import Pipeline
 
     hvd.init()
+    if slow_sends and hvd.rank() == 1:  # rank 1 starts each transport late: rank 0 learns of the NaN first
+        send = Pipeline.send
+
+        def late(self, g):
+            time.sleep(0.3)
+            return send(self, g)
+
+        Pipeline.send = late
     model = _model()
     named = list(model.named_parameters())
     base = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -227,8 +237,11 @@ def body_nonfinite(front, on_nonfinite, min_numel=100):
 
 
 @pytest.mark.parametrize("front", ["stock", "hvd_terngrad"])
-def test_nan_gradient_raises_on_every_rank_naming_tensor_and_rank(front):
-    res = run_ranks("tests.test_horovod:body_nonfinite", np=2, timeout=120, args=(front, "raise"))
+@pytest.mark.parametrize("slow_sends", [False, True])
+def test_nan_gradient_raises_on_every_rank_naming_tensor_and_rank(front, slow_sends):
+    """slow_sends: a rank that raises first still waits for the step's collectives, or its exit would shut
+    Horovod down under a peer still starting them."""
+    res = run_ranks("tests.test_horovod:body_nonfinite", np=2, timeout=120, args=(front, "raise", 100, slow_sends))
     for r in res:
         assert r["error"] is not None
         assert "on rank 1" in r["error"] and "weight" in r["error"]
