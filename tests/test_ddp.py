@@ -2,6 +2,7 @@
 on real ranks, for the transports whose average does not depend on how tensors are grouped."""
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -271,16 +272,27 @@ def test_powersgd_in_launch_order_on_many_buckets():
     assert out["powersgd", 7][0] != out["fp32", 7][0] and out["powersgd", 7][1] > 0
 
 
-def body_ddp_nonfinite(port):
-    """A NaN gradient on rank 1 at step 1, on_nonfinite='raise': what each rank's backward raises."""
+def body_ddp_nonfinite(port, groups=False):
+    """A NaN gradient on rank 1 at step 1, on_nonfinite='raise': what each rank's backward raises. groups: a
+    DDP bucket a parameter, each its own group, and rank 1 starting each transport late."""
 
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from hvd_terngrad.pipeline import Pipeline
 
     rank = _init_gloo(port)
     torch.set_num_threads(1)
+    if groups and rank == 1:
+        send = Pipeline.send
+
+        def late(self, g):
+            time.sleep(0.3)
+            return send(self, g)
+
+        Pipeline.send = late
     model = G.Net()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if groups else 25)
+    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30, bucket_bytes=0 if groups
+                          else 4 << 20)
     ddp.register_comm_hook(state, terngrad_hook)
     out = None
     for step in range(3):
@@ -295,8 +307,9 @@ def body_ddp_nonfinite(port):
     return out
 
 
-def test_a_nan_gradient_under_ddp_raises_on_every_rank_naming_tensor_and_rank():
-    res = run_ranks("tests.test_ddp:body_ddp_nonfinite", np=2, timeout=120, args=(29671,))
+@pytest.mark.parametrize("groups", [False, True])
+def test_a_nan_gradient_under_ddp_raises_on_every_rank_naming_tensor_and_rank(groups):
+    res = run_ranks("tests.test_ddp:body_ddp_nonfinite", np=2, timeout=120, args=(29671 + groups, groups))
     for step, message in res:
         assert step == 1
         assert "NonFiniteGradientError: hvd_terngrad: non-finite" in message and "on rank 1 at step 1" in message
