@@ -46,7 +46,7 @@ import torch.distributed as dist
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES
 from hvd_terngrad.collectives.distributed import TorchCollectives
 from hvd_terngrad.config import TernGradConfig
-from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError
+from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError, TernGradError
 from hvd_terngrad.finite import mark, marked_rank, nonfinite, nonfinite_average
 from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
@@ -190,7 +190,7 @@ class TernGradState:
         """The held buckets to the worker, as one group."""
         if self._held:
             jobs, self._held = self._held, []
-            self._order.submit_into(lambda: self._finish(jobs), [j.future for j in jobs])
+            self._order.submit_into(lambda: self._finish(jobs), [j.future for j in jobs], last=jobs[-1].last)
 
     def _finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
@@ -279,6 +279,8 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     state.connect()
     if state._averages_now(bucket):
         state._send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
+        if bucket.is_last():
+            state._order.end_step()
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
     state._held.append(job)
@@ -292,12 +294,13 @@ class _Serial:
     so that every rank issues the same collectives in the same order. submit(run) returns a future of run()'s
     tensor; where run() returns a future (another hook's), the worker waits for it before the next bucket."""
 
-    __slots__ = ("name", "_queue", "_thread")
+    __slots__ = ("name", "_queue", "_thread", "_failed")
 
     def __init__(self, name: str):
         self.name = name
-        self._queue: queue.Queue = queue.Queue()  # (run, future), in launch order
+        self._queue: queue.Queue = queue.Queue()  # (run, futures, last), in launch order
         self._thread: Optional[threading.Thread] = None  # started on the first bucket
+        self._failed: list = []  # this step's (futures, error) held until its last submission has run
 
     def submit(self, run) -> torch.futures.Future:
         fut = torch.futures.Future()  # the worker sets the tensor, or the error
@@ -306,28 +309,52 @@ class _Serial:
         # in a callback, it reaches the user as "...when running the callback: <Type>: <message>"
         return fut.then(_value_or_raise)
 
-    def submit_into(self, run, futures: list) -> None:
+    def submit_into(self, run, futures: list, last: bool = True) -> None:
         """run() returns a value per future, which the worker sets in them (or its error in all of them); the
-        caller hands DDP `future.then(_value_or_raise)`."""
+        caller hands DDP `future.then(_value_or_raise)`. last=False: the step has more submissions to come, and
+        an error that every rank raises alike is held until they have run (_held_back)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
-        self._queue.put((run, futures))
+        self._queue.put((run, futures, last))
+
+    def end_step(self) -> None:
+        """The step's last bucket went another way (the uncoded fast path): release any error held back."""
+        self.submit_into(list, [])
 
     def _loop(self) -> None:
         while True:
-            run, futures = self._queue.get()
+            run, futures, last = self._queue.get()
+            error = None
             try:
                 values = run()
             except BaseException as exc:  # noqa: BLE001  (DDP raises it where it waits for the bucket)
-                values = [exc.with_traceback(None)] * len(futures)  # its frames would hold the collectives
+                error = exc.with_traceback(None)  # its frames would hold the collectives
+                values = [error] * len(futures)
             # Let go of the buckets' hook and its futures before DDP may go on: they keep their process group's
             # work alive, and the training may end and destroy the group the moment the result is set; work
             # destroyed after its group (at interpreter exit, from this thread) aborts the process
             run = None
-            for fut, value in zip(futures, values):
-                fut.set_result(value)
-            del futures, values, fut, value
+            if _held_back(error) and not last:
+                self._failed.append((futures, values))
+                done = []
+            else:
+                done = [(futures, values)]
+            if last:
+                done, self._failed = self._failed + done, []
+            del futures, values, error
+            for futures, values in done:
+                for fut, value in zip(futures, values):
+                    fut.set_result(value)
+            done = futures = values = fut = value = None
+
+
+def _held_back(error) -> bool:
+    """Whether the worker holds `error` back until the step's last submission has run: an error every rank
+    raises alike, in the same group. Set at once, it lets a rank's training end and tear its process group down
+    while this rank's worker, or a late peer's, still runs the step's later groups; gloo then aborts a process
+    at exit. A timeout is not held: the later groups would each wait out theirs."""
+    return isinstance(error, TernGradError) and not isinstance(error, CollectiveTimeoutError)
 
 
 def _resolved(out):

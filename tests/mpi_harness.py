@@ -104,6 +104,20 @@ def run_ranks_failing(target: str, np: int, within: float, args: tuple = (), tim
     raise AssertionError(f"{target} on {np} ranks finished although it should have failed")
 
 
+def start_transports_late(seconds: float) -> None:
+    """In a rank body: this rank starts each pipeline group's transport `seconds` late, so that its peers meet
+    whatever the group carries (an error, say) before it has sent the rest of the step."""
+    from hvd_terngrad.pipeline import Pipeline
+
+    send = Pipeline.send
+
+    def late(self, g):
+        time.sleep(seconds)
+        return send(self, g)
+
+    Pipeline.send = late
+
+
 def _kill(proc: subprocess.Popen, work: Path) -> None:
     pids = []
     for f in work.glob("rank*.pid"):

@@ -2,14 +2,13 @@
 on real ranks, for the transports whose average does not depend on how tensors are grouped."""
 import gc
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.golden import frontends as G
-from tests.mpi_harness import run_ranks
+from tests.mpi_harness import run_ranks, start_transports_late
 
 pytestmark = pytest.mark.mpi
 CASES = [(name, o) for name, o in G.CASES if o.get("transport") != "sharded-ternary"]
@@ -277,18 +276,11 @@ def body_ddp_nonfinite(port, groups=False):
     DDP bucket a parameter, each its own group, and rank 1 starting each transport late."""
 
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
-    from hvd_terngrad.pipeline import Pipeline
 
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     if groups and rank == 1:
-        send = Pipeline.send
-
-        def late(self, g):
-            time.sleep(0.3)
-            return send(self, g)
-
-        Pipeline.send = late
+        start_transports_late(1.0)
     model = G.Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if groups else 25)
     state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30, bucket_bytes=0 if groups

@@ -1,11 +1,10 @@
 """TernGrad through Horovod on real processes (2 and 4 ranks): both front ends, exactness, options."""
 import re
-import time
 
 import pytest
 import torch
 
-from tests.mpi_harness import RankFailure, run_ranks
+from tests.mpi_harness import RankFailure, run_ranks, start_transports_late
 
 pytestmark = pytest.mark.mpi
 
@@ -202,17 +201,10 @@ def body_nonfinite(front, on_nonfinite, min_numel=100, slow_sends=False):
     import horovod.torch as hvd
 
     import hvd_terngrad
-    from hvd_terngrad.pipeline import Pipeline
 
     hvd.init()
-    if slow_sends and hvd.rank() == 1:  # rank 1 starts each transport late: rank 0 learns of the NaN first
-        send = Pipeline.send
-
-        def late(self, g):
-            time.sleep(0.3)
-            return send(self, g)
-
-        Pipeline.send = late
+    if slow_sends and hvd.rank() == 1:  # rank 0 learns of the NaN first
+        start_transports_late(0.3)
     model = _model()
     named = list(model.named_parameters())
     base = torch.optim.SGD(model.parameters(), lr=0.1)
