@@ -294,13 +294,14 @@ class _Serial:
     so that every rank issues the same collectives in the same order. submit(run) returns a future of run()'s
     tensor; where run() returns a future (another hook's), the worker waits for it before the next bucket."""
 
-    __slots__ = ("name", "_queue", "_thread", "_failed")
+    __slots__ = ("name", "_queue", "_thread", "_failed", "_open")
 
     def __init__(self, name: str):
         self.name = name
         self._queue: queue.Queue = queue.Queue()  # (run, futures, last), in launch order
         self._thread: Optional[threading.Thread] = None  # started on the first bucket
         self._failed: list = []  # this step's (futures, error) held until its last submission has run
+        self._open = False  # the step has had submissions, none of them its last (set by the submitting thread)
 
     def submit(self, run) -> torch.futures.Future:
         fut = torch.futures.Future()  # the worker sets the tensor, or the error
@@ -317,10 +318,13 @@ class _Serial:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
         self._queue.put((run, futures, last))
+        self._open = not last
 
     def end_step(self) -> None:
-        """The step's last bucket went another way (the uncoded fast path): release any error held back."""
-        self.submit_into(list, [])
+        """The step's last bucket went another way (the uncoded fast path): release any error held back. A step
+        that sent the worker nothing costs it no wake-up."""
+        if self._open:
+            self.submit_into(list, [])
 
     def _loop(self) -> None:
         while True:

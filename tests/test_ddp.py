@@ -2,6 +2,7 @@
 on real ranks, for the transports whose average does not depend on how tensors are grouped."""
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,31 @@ def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
         raise ValueError("bucket 3 broke")
     with pytest.raises(RuntimeError, match="ValueError: bucket 3 broke"):  # as DDP raises it: type and message
         serial.submit(boom).wait()
+
+
+def test_the_worker_holds_an_error_every_rank_raises_until_the_steps_last_group_has_run():
+    from hvd_terngrad.ddp import _Serial
+    from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError
+
+    def fails(error):
+        def run():
+            raise error
+        return run
+
+    serial = _Serial("test")
+    assert not serial._open
+    bad, later, timed_out = torch.futures.Future(), torch.futures.Future(), torch.futures.Future()
+    serial.submit_into(fails(NonFiniteGradientError("nan in 'w'")), [bad], last=False)
+    serial.submit_into(lambda: [torch.ones(1)], [later], last=False)
+    assert later.wait().item() == 1.0  # the groups after it run and finish as ever
+    serial.submit_into(fails(CollectiveTimeoutError("a peer never joined")), [timed_out], last=False)
+    assert isinstance(timed_out.wait(), CollectiveTimeoutError)  # not held: later groups would wait out theirs
+    time.sleep(0.05)
+    assert not bad.done()
+    serial.end_step()  # the step's last bucket took the uncoded path
+    assert isinstance(bad.wait(), NonFiniteGradientError) and not serial._open
+    serial.end_step()  # nothing sent since: no wake-up
+    assert serial._queue.empty()
 
 
 def body_ddp_one_node(port):
