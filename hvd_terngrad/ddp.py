@@ -300,7 +300,7 @@ class _Serial:
         self.name = name
         self._queue: queue.Queue = queue.Queue()  # (run, futures, last), in launch order
         self._thread: Optional[threading.Thread] = None  # started on the first bucket
-        self._failed: list = []  # this step's (futures, error) held until its last submission has run
+        self._failed: list = []  # this step's failed (futures, values), held until its last submission has run
         self._open = False  # the step has had submissions, none of them its last (set by the submitting thread)
 
     def submit(self, run) -> torch.futures.Future:
