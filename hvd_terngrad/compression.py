@@ -251,6 +251,7 @@ class TernGrad(Compressor):
             self._done += 1
             if self._done == self._calls:  # the stock synchronize() compresses everything before decoding
                 self._calls = self._done = 0
+                self._sent = []  # the step's groups, their codes received, go now and not a step later
                 self.pipeline.next_step()
 
 
