@@ -284,8 +284,8 @@ def body_ddp_nonfinite(port, groups=False):
         start_transports_late(1.0)
     model = G.Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001 if groups else 25)
-    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30, bucket_bytes=0 if groups
-                          else 4 << 20)
+    state = TernGradState(model.named_parameters(), min_numel=1, seed=9, timeout_s=30,
+                          **({"bucket_bytes": 0} if groups else {}))
     ddp.register_comm_hook(state, terngrad_hook)
     out = None
     for step in range(3):
