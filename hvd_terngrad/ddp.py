@@ -66,7 +66,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_bounded", "_kinds", "_held")
+                 "_bounded", "_kinds", "_held", "_sums", "_nonfinite")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -91,6 +91,8 @@ class TernGradState:
         self._bounded = None  # the world again, with gloo's timeout at timeout_s: the hook's own averages
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
         self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
+        self._sums: list = []  # this step's allreduces that _average_now started (futures), until its last bucket
+        self._nonfinite: list = []  # this step's non-finite averages there, (bucket index, error) for the last
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -149,7 +151,13 @@ class TernGradState:
         A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
         that a non-finite average names tensor and rank on every rank with no collective in a callback. The
         allreduce runs on a group whose gloo timeout is timeout_s: a rank that never joins fails it in bounded
-        time, as the worker's bounded waits do."""
+        time, as the worker's bounded waits do.
+
+        A non-finite average leaves through the step's last bucket, whose future completes once every
+        allreduce of the step has (the worker's _held_back, for the same reason): raised from an earlier
+        bucket, it let DDP end the step while this rank's later allreduces, or a late peer's, were in flight,
+        and a training loop that then tore its process group down aborted a process ("Resource deadlock
+        avoided": the group destroyed on its own gloo thread). A failed allreduce is raised at once."""
         pipe, me, size = self.pipeline, self.world.rank, self.world.size
         coded, floats = self._split(bucket)
         for name, grad in coded:
@@ -161,8 +169,9 @@ class TernGradState:
         if self._bounded is None:  # every rank makes it at the same bucket: the plan is the same on every rank
             self._bounded = dist.new_group(timeout=datetime.timedelta(seconds=self.config.timeout_s))
         summed = dist.all_reduce(buf, group=self._bounded, async_op=True).get_future()
-        step, last = pipe.step, bucket.is_last()
-        what = f"the fp32 average of DDP bucket {bucket.index()} ({named[0][0]!r} and {len(named) - 1} more)"
+        step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
+        what = f"the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more)"
+        self._sums.append(summed)
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
             try:
@@ -176,15 +185,27 @@ class TernGradState:
                 if self.config.on_nonfinite != "propagate":
                     first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
                     culprit = marked_rank(named[first][1], size)
-                    raise nonfinite_average(named[first][0], me if culprit < 0 and first in mine else culprit,
-                                            step, me)
+                    held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
+                                                          else culprit, step, me)))
                 for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
                     named[i][1].fill_(float("nan"))
-            if last:
-                pipe.next_step()
             return buf
 
-        return summed.then(finish)
+        if not last:
+            return summed.then(finish)
+        sums, self._sums, self._nonfinite = self._sums, [], []
+
+        def finish_step(everything: torch.futures.Future) -> torch.Tensor:
+            # every earlier bucket's finish has run: each ran on its allreduce's completion, before collect_all's
+            try:
+                value = finish(summed)
+            finally:
+                pipe.next_step()
+            if held:
+                raise min(held, key=lambda h: h[0])[1]  # the first bucket's, as DDP would have met it
+            return value
+
+        return torch.futures.collect_all(sums).then(finish_step)
 
     def _send_held(self) -> None:
         """The held buckets to the worker, as one group."""
@@ -195,6 +216,14 @@ class TernGradState:
     def _finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
         job = jobs[0] if len(jobs) == 1 else _Job.merged(jobs)
+        try:
+            self._exchange(job)
+        finally:
+            self._step_done(job)  # a step that raised has ended too, as on the other front ends
+        return [j.buffer for j in jobs]
+
+    def _exchange(self, job: "_Job") -> None:
+        """One group's exchange: its averages written into its gradients (the views of DDP's buffers)."""
         pipe, comm, h, key = self.pipeline, self.world, self.hierarchy, f"bucket.{job.index}"
         if h is None and job.floats and pipe.sends_uncoded(key):  # one fp32 average, in place
             job.coded, job.floats = job.coded + job.floats, []
@@ -224,8 +253,6 @@ class TernGradState:
             for _, v in job.floats:
                 v.copy_(avg[off: off + v.numel()].view(v.shape))
                 off += v.numel()
-        self._step_done(job)
-        return [j.buffer for j in jobs]
 
     def _finish_in_node(self, job: "_Job") -> None:
         """hierarchical: the coder's averages broadcast to its node (a rank that found a non-finite average fills

@@ -379,7 +379,7 @@ def body_ddp_one_node(port):
 
 
 def test_ddp_hierarchical_on_one_node_is_the_float_average():
-    res = run_ranks("tests.test_ddp:body_ddp_one_node", np=2, timeout=120, args=(29691,))
+    res = run_ranks("tests.test_ddp:body_ddp_one_node", np=2, timeout=120, args=(29721,))
     for (hier, info), (plain, _) in res:
         assert hier == plain  # DDP's own FP32 average, bit for bit
         assert info == (1, True, 0)  # one node: nothing coded between nodes
