@@ -171,7 +171,8 @@ class TernGradState:
         summed = dist.all_reduce(buf, group=self._bounded, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
         what = f"the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more)"
-        self._sums.append(summed)
+        if not last:
+            self._sums.append(summed)
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
             try:
@@ -193,19 +194,28 @@ class TernGradState:
 
         if not last:
             return summed.then(finish)
-        sums, self._sums, self._nonfinite = self._sums, [], []
 
-        def finish_step(everything: torch.futures.Future) -> torch.Tensor:
-            # every earlier bucket's finish has run: each ran on its allreduce's completion, before collect_all's
+        def finish_last(fut: torch.futures.Future) -> torch.Tensor:
             try:
-                value = finish(summed)
+                return finish(fut)
             finally:
                 pipe.next_step()
-            if held:
+
+        return self._after_averages(summed, finish_last)
+
+    def _after_averages(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
+        """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
+        _average_now started this step has, and raising the first bucket's non-finite average held there."""
+        sums, held, self._sums, self._nonfinite = self._sums, self._nonfinite, [], []
+
+        def finish_step(_) -> torch.Tensor:
+            # every earlier bucket's finish has run: each ran on its allreduce's completion, before collect_all's
+            value = finish(last)
+            if held:  # the last bucket's own, if it was averaged here, among them
                 raise min(held, key=lambda h: h[0])[1]  # the first bucket's, as DDP would have met it
             return value
 
-        return torch.futures.collect_all(sums).then(finish_step)
+        return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
 
     def _send_held(self) -> None:
         """The held buckets to the worker, as one group."""
@@ -313,6 +323,8 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     state._held.append(job)
     if job.last or sum(j.buffer.numel() * j.buffer.element_size() for j in state._held) >= state.bucket_bytes:
         state._send_held()
+    if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
+        return state._after_averages(job.future, _value_or_raise)
     return job.future.then(_value_or_raise)
 
 

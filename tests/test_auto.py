@@ -213,11 +213,26 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
     assert res[0][0] == res[1][0]
 
 
-def body_ddp_uncoded_faults(port, fault, late_s=0.0):
+class _WithBf16Scale(torch.nn.Module):
+    """G.Net with a bfloat16 scale of its output: DDP puts it in a bucket of its own, the step's last, which the
+    hook's worker averages, while the fp32 bucket before it takes the hook's own average."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = G.Net()
+        self.scale = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.net(x) * self.scale.float()
+
+
+def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
     averages itself; two steps after the plan, rank 1 has a NaN gradient ("nan", where it starts the step's
-    later buckets late_s late) or stops before its backward ("stuck"). What each rank's backward raised, and at
-    which step; the training then tears its process group down at once, as a user's loop would."""
+    later buckets late_s late) or stops before its backward ("stuck"). layout: several fp32 buckets, one, or
+    "bf16_last" (one fp32 bucket with a NaN in one tensor, then a finite bfloat16 one, which the worker
+    averages). What each rank's backward raised, and at which step; the training then tears its process group
+    down at once, as a user's loop would."""
     import time
 
     import hvd_terngrad
@@ -227,10 +242,13 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0):
     hvd_terngrad.auto.TRIAL_STEPS = 0
     rank = _init_gloo(port)
     torch.set_num_threads(1)
-    model = G.Net()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    model = G.Net() if layout != "bf16_last" else _WithBf16Scale()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if layout == "buckets" else 25)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
                           on_nonfinite="propagate" if fault == "propagate" else "raise")
+    at = [0]  # the step the loop is at
+    if layout == "bf16_last" and rank == 1:  # a NaN in one fp32 tensor only: the bf16 bucket stays finite
+        model.net.body[4].weight.register_hook(lambda g: g * float("nan") if at[0] == PLAN_STEP + 1 else g)
     ddp.register_comm_hook(state, terngrad_hook)
     if late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
         average_now = TernGradState._average_now
@@ -243,11 +261,13 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0):
         TernGradState._average_now = late
     out = None if fault != "propagate" else []
     for step in range(PLAN_STEP + 3):
+        at[0] = step
         loss = G.loss(ddp, rank, step)
         if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
             time.sleep(60)
         try:
-            (loss * (float("nan") if (rank, step) == (1, PLAN_STEP + 1) else 1.0)).backward()
+            nan = (rank, step) == (1, PLAN_STEP + 1) and layout != "bf16_last"
+            (loss * (float("nan") if nan else 1.0)).backward()
             if fault == "propagate":  # per step: whether every gradient is all NaN, or all finite
                 grads = [p.grad for p in model.parameters()]
                 out.append((all(bool(g.isnan().all()) for g in grads), all(bool(g.isfinite().all()) for g in grads)))
@@ -264,12 +284,15 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("late_s", [0.0, 2.0], ids=["together", "late_rank"])
-def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(late_s):
-    """late_rank: the error leaves with the step's last bucket; raised from the first, it let rank 0 tear its
-    group down under rank 1's later allreduces, and rank 1 aborted ("Resource deadlock avoided", 6 runs of 10)."""
-    port = 29693 if not late_s else 29699
-    results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120, args=(port, "nan", late_s))
+@pytest.mark.parametrize("port,late_s,layout", [(29693, 0.0, "buckets"), (29699, 2.0, "buckets"),
+                                                (29701, 0.0, "one_bucket"), (29703, 0.0, "bf16_last")],
+                         ids=["together", "late_rank", "one_bucket", "bf16_last"])
+def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout):
+    """The error leaves with the step's last bucket, whichever way that went. late_rank: raised from the first,
+    it let rank 0 tear its group down under rank 1's later allreduces, and rank 1 aborted ("Resource deadlock
+    avoided", 6 runs of 10)."""
+    results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
+                        args=(port, "nan", late_s, layout))
     for step, message in results:
         assert step == PLAN_STEP + 1
         assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}, averaged uncoded" in message, \
