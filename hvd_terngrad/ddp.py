@@ -6,8 +6,10 @@
     ddp.register_comm_hook(state, terngrad_hook)
 
 No Horovod: the collectives are torch.distributed's (gloo on CPU, NCCL on GPU; collectives.distributed), and
-`torchrun` launches the job. hierarchical=True finds the nodes itself (hierarchy.discover_torch) and codes only
-between them, as hvd_terngrad's Horovod optimizer does. DDP's buckets go through the pipeline in groups of at
+`torchrun` launches the job. The hook's collectives run on a process group of its own over DDP's ranks,
+made with the state (_own_group): DDP's own collectives during backward (find_unused_parameters,
+static_graph) cannot pair with them. hierarchical=True finds the nodes itself (hierarchy.discover_torch) and
+codes only between them, as hvd_terngrad's Horovod optimizer does. DDP's buckets go through the pipeline in groups of at
 least bucket_bytes (4 MiB, as the optimizer's buckets) or up to the step's last bucket: a smaller bucket (DDP
 caps its first at 1 MB) waits for the next. A group's coded tensors share their scalers in one Max allreduce
 and travel with the configured transport, two collectives whatever its size; the tensors that stay in float
@@ -57,7 +59,9 @@ class TernGradState:
 
     named_parameters: the module's named parameters (names key the codes, exclude= and the errors).
     config / **options: a TernGradConfig, or its fields as keywords.
-    process_group: the torch.distributed group DDP averages over (default: the whole world).
+    process_group: the torch.distributed group DDP averages over (default: the whole world). Every rank of it
+        makes its state at the same point of its program, as it makes its DDP model: the state makes a process
+        group of its own over the same ranks.
     bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with them, as
         one group of at least this many bytes or up to the step's last bucket (0: each bucket on its own). A
         group costs two collectives whatever its size, which on a slow link outweighs the overlap a small
@@ -66,7 +70,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_bounded", "_kinds", "_held", "_sums", "_nonfinite")
+                 "_group", "_kinds", "_held", "_sums", "_nonfinite")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -85,10 +89,16 @@ class TernGradState:
         self.bucket_bytes = bucket_bytes  # a group goes to the pipeline once its DDP buckets hold this many bytes
         self.names = {p: n for n, p in named_parameters}  # parameter -> its name
         self.pipeline: Optional[Pipeline] = None  # made on the first bucket: the process group is up by then
-        self.world: Optional[TorchCollectives] = None  # the whole group: the float averages
-        self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups
+        self.world: Optional[TorchCollectives] = None  # DDP's ranks, over _group
+        # the hook's own process group (_own_group), made here where torch.distributed is up (else on the first
+        # bucket): every rank makes its state, as it makes its DDP model, while a rank's first call of stats or
+        # state_dict may be its own
+        up = dist.is_available() and dist.is_initialized()
+        self._group = _own_group(process_group, self.config.timeout_s) if up else None
+        self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups (made as _group)
+        if up and self.config.hierarchical:
+            self.hierarchy = discover_torch(self.config.timeout_s)
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
-        self._bounded = None  # the world again, with gloo's timeout at timeout_s: the hook's own averages
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
         self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
         self._sums: list = []  # this step's allreduces that _average_now started (futures), until its last bucket
@@ -98,9 +108,11 @@ class TernGradState:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
         local index on every node, coding as its node."""
         if self.pipeline is None:
-            self.world = TorchCollectives(self.process_group, timeout_s=self.config.timeout_s)
+            if self._group is None:
+                self._group = _own_group(self.process_group, self.config.timeout_s)
+            self.world = TorchCollectives(self._group, timeout_s=self.config.timeout_s)
             if self.config.hierarchical:
-                h = self.hierarchy = discover_torch(self.config.timeout_s)
+                h = self.hierarchy = self.hierarchy or discover_torch(self.config.timeout_s)
                 self.pipeline = Pipeline(self.config, h.cross or self.world, rank=h.topology.node,
                                          size=h.topology.nodes)
                 for comm in (h.local, self.world):
@@ -150,8 +162,8 @@ class TernGradState:
         """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
         A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
         that a non-finite average names tensor and rank on every rank with no collective in a callback. The
-        allreduce runs on a group whose gloo timeout is timeout_s: a rank that never joins fails it in bounded
-        time, as the worker's bounded waits do.
+        allreduce runs on the hook's own group, whose gloo timeout is timeout_s: a rank that never joins fails it
+        in bounded time, as the worker's bounded waits do.
 
         A non-finite average leaves through the step's last bucket, whose future completes once every
         allreduce of the step has (the worker's _held_back, for the same reason): raised from an earlier
@@ -166,9 +178,7 @@ class TernGradState:
         mine = mark([grad for _, grad in named], me) if nonfinite([buf]) else []
         for _, grad in named:
             pipe.stats.add_float(grad.numel() * 4, size)
-        if self._bounded is None:  # every rank makes it at the same bucket: the plan is the same on every rank
-            self._bounded = dist.new_group(timeout=datetime.timedelta(seconds=self.config.timeout_s))
-        summed = dist.all_reduce(buf, group=self._bounded, async_op=True).get_future()
+        summed = dist.all_reduce(buf, group=self.world.group, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
         what = f"the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more)"
         if not last:
@@ -283,6 +293,20 @@ class TernGradState:
         its buckets again after the first step, so their number is not fixed)."""
         if job.last:
             self.pipeline.next_step()
+
+
+def _own_group(process_group, timeout_s: float):
+    """A process group of the hook's own over DDP's ranks, whose gloo timeout is timeout_s. DDP issues
+    collectives on its own group during backward (find_unused_parameters' and static_graph's map of the
+    parameters used), from the autograd thread, while the hook's worker issues the buckets' exchange. Ranks pair
+    collectives on one group by the order in which each issues them, so on DDP's group the two streams paired
+    differently on different ranks: gloo aborted ("Received data size doesn't match expected size")."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if process_group is None:
+        return dist.new_group(timeout=timeout)  # every rank calls it, at its first bucket
+    # only DDP's ranks call it (the ranks outside it run no hook)
+    return dist.new_group(dist.get_process_group_ranks(process_group), timeout=timeout,
+                          use_local_synchronization=True)
 
 
 class _Job:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_terngrad.collectives import bounded_wait, timed
+from hvd_terngrad.errors import CollectiveTimeoutError
 from hvd_terngrad.stats import StatsRecorder
 
 
@@ -58,7 +59,10 @@ class TorchCollectives:
     def wait(self, handle, what: str) -> torch.Tensor:
         with timed(self.stats):
             bounded_wait(handle.work.is_completed, self.timeout_s, lambda: self.timeout_message(what))
-            handle.work.wait()
+            try:
+                handle.work.wait()
+            except RuntimeError as exc:  # the group's own timeout (the DDP hook's is timeout_s), or a lost peer
+                raise CollectiveTimeoutError(f"{self.timeout_message(what)} ({exc})") from None
         if handle.divide:
             handle.out.div_(handle.divide)
         return handle.out
