@@ -439,7 +439,9 @@ def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
 class InLaunchOrder:
     """Another DDP hook, run bucket after bucket in DDP's launch order (see the module's docstring): each
     bucket's hook starts once the previous bucket's future has completed, on one worker thread, while backward
-    goes on. The cost: one bucket's collectives at a time.
+    goes on. The cost: one bucket's collectives at a time. Where DDP has find_unused_parameters=True or
+    static_graph=True, give the wrapped hook's state a process group of its own (dist.new_group() on every
+    rank): DDP's own collectives during backward could otherwise pair with the worker's (see _own_group).
 
         ddp.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, PowerSGDState(None)), in_launch_order)
     """
