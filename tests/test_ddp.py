@@ -259,7 +259,9 @@ def body_ddp_options(port):
     out = {}
     for name, options, group in (("find_unused", {"find_unused_parameters": True}, None),
                                  ("static_graph", {"static_graph": True}, None),
-                                 ("given_group", {"find_unused_parameters": True}, given)):
+                                 ("given_group", {"find_unused_parameters": True}, given),
+                                 ("bucket_view", {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+                                  None)):
         model = _WithUnused()
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001, process_group=group, **options)
         state = TernGradState(model.named_parameters(), **G.COMMON, bucket_bytes=0, process_group=group)
@@ -281,7 +283,41 @@ def test_the_hook_beside_ddps_own_collectives_find_unused_parameters_and_static_
     res = run_ranks("tests.test_ddp:body_ddp_options", np=2, timeout=120, args=(29731,))
     assert res[0] == res[1]
     # the codes depend on (seed, step, rank, tensor name), not on DDP's options or group: the same bits
-    assert res[0]["find_unused"] == res[0]["static_graph"] == res[0]["given_group"]
+    assert res[0]["find_unused"] == res[0]["static_graph"] == res[0]["given_group"] == res[0]["bucket_view"]
+
+
+def body_ddp_join(port, transport):
+    """Uneven inputs under DDP's join(): rank 1 runs out of batches after 4 steps of 7, and DDP runs the hook
+    on zero buckets for it while rank 0 goes on. The parameters and the pipeline's step on each rank."""
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+
+    hvd_terngrad.auto.TRIAL_STEPS = 0
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = TernGradState(model.named_parameters(), **G.COMMON, transport=transport, link_gbps=1000.0)
+    ddp.register_comm_hook(state, terngrad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(7 if rank == 0 else 4):
+            opt.zero_grad()
+            G.loss(ddp, rank, step).backward()
+            opt.step()
+    out = (G.digest(model.parameters()), state.pipeline.step)
+    del ddp, state
+    _close_gloo()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["allgather", "auto"])
+def test_the_hook_under_ddps_join_with_uneven_inputs(transport):
+    """auto: its plan (every bucket uncoded on so fast a link) takes over after the plan step, while rank 1
+    is joined. Both ranks end on the same parameters and count the same 7 steps."""
+    res = run_ranks("tests.test_ddp:body_ddp_join", np=2, timeout=120, args=(29741 + (transport == "auto"),
+                                                                           transport))
+    assert res[0] == res[1] and res[0][1] == 7
 
 
 def body_powersgd(port):
