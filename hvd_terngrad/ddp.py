@@ -303,8 +303,8 @@ def _own_group(process_group, timeout_s: float):
     differently on different ranks: gloo aborted ("Received data size doesn't match expected size")."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if process_group is None:
-        return dist.new_group(timeout=timeout)  # every rank calls it, at its first bucket
-    # only DDP's ranks call it (the ranks outside it run no hook)
+        return dist.new_group(timeout=timeout)  # every rank calls it
+    # only DDP's ranks call it (the ranks outside it make no state); torch names each such group apart
     return dist.new_group(dist.get_process_group_ranks(process_group), timeout=timeout,
                           use_local_synchronization=True)
 
