@@ -1,5 +1,5 @@
-"""transport="auto", per group: code it, or send it uncoded (one fp32 average), whichever the cost model says
-makes the step shorter.
+"""transport="auto", per group: code it, or send it uncoded (one average, in fp32 or in 16 bits), whichever makes
+the step shorter: the cost model chooses what to try, and a timed trial chooses what to keep.
 
 Coding a group costs codec time on every rank and saves link time. Saved link time buys nothing where the
 group's float average would have hidden behind backward anyway. On a fast link (InfiniBand, the emulated
@@ -30,14 +30,17 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed, and then every group is
   coded again for RECHECK_STEPS timed steps (the coded steps before the trial were still warming up, which
   favoured the plan). A coded step then carries every kind's fastest step on each rank, and every rank keeps
-  the kind whose slowest rank's step was the shortest: the plan only if its tried step beat the coded one,
-  else every group is coded from then on.
-- Where the model codes every group anyway, two plans are tried in turn, TRIAL_STEPS steps each, and the
-  fastest of the three kinds is kept: where some group takes the sharded transport, every group coded with
-  the allgather (the latency of the sharded transport's second collective, all there is on a small group,
-  is what the model knows least); and every group uncoded (FP32: the baseline auto must not fall behind,
-  which the model misjudges on a small model's latency-bound steps). Measured: docs/time-to-accuracy.md,
-  "Auto on the emulated cluster".
+  the kind whose slowest rank's step was the shortest: a plan only if its tried step beat the coded one, else
+  every group is coded from then on.
+- The plan is tried twice in turn, TRIAL_STEPS steps each: its uncoded groups in fp32, then in fp16 (half the
+  bytes for three passes of torch ops over each tensor: transports.uncoded, which scales each tensor so that
+  nothing overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
+  model does not know.
+- Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
+  must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
+  some group takes the sharded transport, every group coded with the allgather (the latency of the sharded
+  transport's second collective, all there is on a small group, is what the model knows least). Measured:
+  docs/time-to-accuracy.md, "Auto on the emulated cluster".
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; while a plan that
 leaves groups uncoded is in force, a group it has not seen goes uncoded too. Without a shared scaler
 (share_scaler=False) nothing carries the measurement, and auto keeps coding every group.
@@ -48,12 +51,12 @@ import time
 
 from hvd_terngrad.commcost import Link, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
-from hvd_terngrad.transports.uncoded import UNCODED
+from hvd_terngrad.transports.uncoded import FP32, WIRES
 
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
 TRIAL_STEPS = 4  # steps each tried plan is in force (the fastest counts: the first pays one-offs)
 RECHECK_STEPS = 3  # coded steps after the trials, timed: the steps before them were still warming up
-MAX_TRIALS = 2  # plans tried at most (AutoPlan._plan)
+MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
 LAST_VERDICT_STEP = PLAN_STEP + MAX_TRIALS * TRIAL_STEPS + RECHECK_STEPS  # auto has decided after this step
 
 
@@ -84,7 +87,7 @@ def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, lin
     """(uncoded, coded, codec) seconds of one group of `numel` coded elements in `tensors` tensors."""
     t = choose_transport(numel, n_workers, link, int8=int8)
     coded = TRANSPORTS[t].seconds(numel, n_workers, link) + allreduce_time(scaler_bytes, n_workers, link)
-    return UNCODED.seconds(numel, n_workers, link), coded, codec_s_per_element * numel
+    return FP32.seconds(numel, n_workers, link), coded, codec_s_per_element * numel
 
 
 class AutoPlan:
@@ -98,11 +101,11 @@ class AutoPlan:
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step]; the fastest
                             is kept
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
-    model's choice per group).
+    model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
 
     __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trials",
-                 "times", "step_end", "verdict", "kept", "coded", "transport")
+                 "times", "step_end", "verdict", "kept", "coded", "transport", "wire")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -113,13 +116,14 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.trials: list[tuple[set[str] | None, str | None]] = []  # the plans tried, in turn, TRIAL_STEPS each
+        self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, TRIAL_STEPS each
         self.times: list[list[float]] = [[]]  # step seconds on this rank: coded, then each tried plan's
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
+        self.wire = "fp32"  # what the uncoded groups travel in now
 
     def uncoded(self, key: str) -> bool:
         return self.coded is not None and key not in self.coded
@@ -127,9 +131,10 @@ class AutoPlan:
     def summary(self) -> dict:
         """What the benchmarks record: the plans tried, the step seconds that judged them, what is in force."""
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
-                          for c, t in self.trials],
+                          | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
                 "step_seconds_coded_tried": self.verdict, "kept": self.kept,
-                "uncoded_now": self.coded is not None, "transport_now": self.transport}
+                "uncoded_now": self.coded is not None, "transport_now": self.transport,
+                "uncoded_wire_now": self.wire if self.coded is not None else None}
 
     @property
     def verdict_step(self) -> int:
@@ -204,7 +209,7 @@ class AutoPlan:
 
     def _in_force(self, k: int | None) -> None:
         """Tried plan k in force (None: every group coded as the model says)."""
-        self.coded, self.transport = self.trials[k] if k is not None else (None, None)
+        self.coded, self.transport, self.wire = self.trials[k] if k is not None else (None, None, "fp32")
 
     def _plan(self, size: int, link: Link, int8: bool) -> None:
         """The plans to try, from the agreed measurement; none (every group coded from now on) where nothing
@@ -215,12 +220,11 @@ class AutoPlan:
         per_element, window = self.agreed
         costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
         chosen = plan(costs, window)
-        if chosen != set(costs):
-            self.trials = [(chosen, None)]
-        else:  # every group coded (module docstring)
+        if chosen == set(costs):  # every group coded (module docstring)
             sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
                           for n, _, _ in self.groups.values())
-            self.trials = ([(None, "allgather")] if sharded else []) + [(set(), None)]
+            chosen, self.trials = set(), [(None, "allgather", "fp32")] if sharded else []
+        self.trials += [(chosen, None, wire) for wire in WIRES]
         self.times += [[] for _ in self.trials]
         if TRIAL_STEPS == 0:  # tests: the first plan in force, untried
             self.kept, self.steps = 0, self.verdict_step

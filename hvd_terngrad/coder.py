@@ -51,11 +51,22 @@ class Coder:
         self.feedback = ErrorFeedback()
         self.stats = stats if stats is not None else StatsRecorder()
         self.scalers_used: dict[str, float] = {}  # name -> scaler of its last coding (shared when sharing)
+        # name -> the largest |average| of its last uncoded average that measured it (transports.uncoded)
+        self.magnitudes: dict[str, float] = {}
         self._scratch: dict[str, torch.Tensor] = {}
 
     def next_step(self) -> None:
         self.step += 1
         self.stats.finish_step(self.step)
+
+    def magnitude(self, name: str) -> float | None:
+        """The size of a tensor's values that every rank knows alike (a 16-bit average scales by it:
+        transports.uncoded.half_scale): the largest |average| of its last measured uncoded average, else its
+        shared scaler where it was coded; None where neither is known."""
+        m = self.magnitudes.get(name)
+        if m is None and self.config.share_scaler:
+            m = self.scalers_used.get(name)
+        return m
 
     def key(self, item: Item) -> codec.RngKey:
         return codec.RngKey(self.config.seed, self.step & 0xFFFFFFFF, self.rank, item.tid)

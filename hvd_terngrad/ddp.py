@@ -153,10 +153,12 @@ class TernGradState:
 
     def _averages_now(self, bucket: dist.GradBucket) -> bool:
         """Whether the hook averages this bucket itself (_average_now): transport="auto"'s plan in force sends
-        every bucket uncoded, so no coded bucket's collectives need keeping in order on the worker thread."""
+        every bucket uncoded in fp32, so no coded bucket's collectives need keeping in order on the worker thread.
+        (In fp16 a tensor that outgrew its scale is averaged again, a second collective that a callback may not
+        start: the worker averages those buckets.)"""
         auto = self.pipeline.auto
-        return (auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
-                and self.process_group is None and bucket.buffer().dtype == torch.float32)
+        return (auto is not None and auto.coded is not None and not auto.coded and auto.wire == "fp32"
+                and self.hierarchy is None and self.process_group is None and bucket.buffer().dtype == torch.float32)
 
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
@@ -245,8 +247,8 @@ class TernGradState:
     def _exchange(self, job: "_Job") -> None:
         """One group's exchange: its averages written into its gradients (the views of DDP's buffers)."""
         pipe, comm, h, key = self.pipeline, self.world, self.hierarchy, f"bucket.{job.index}"
-        if h is None and job.floats and pipe.sends_uncoded(key):  # one fp32 average, in place
-            job.coded, job.floats = job.coded + job.floats, []
+        if h is None and job.floats and pipe.uncoded(key) == "fp32":  # one fp32 average, in place
+            job.coded, job.floats = job.coded + job.floats, []  # (in fp16 the floats stay in their own average)
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
         floats = None
         if job.floats:  # one float average of the bucket's uncoded tensors

@@ -18,6 +18,7 @@ touch the gradients.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 
@@ -28,6 +29,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
+from hvd_terngrad.transports.uncoded import absmax, from_half, half_scale, to_half
 
 
 class _Bucket:
@@ -59,24 +61,40 @@ class _Uncoded:
     on_nonfinite="propagate" hands it on as it is. Where a non-finite average raises ("raise"), each rank
     checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
     average) tells every rank whose gradient it was. (Out of place, that check could wait for a bad step, but
-    every step would pay an allocation and a copy, which cost more.)"""
+    every step would pay an allocation and a copy, which cost more.)
 
-    __slots__ = ("world", "stats", "on_nonfinite", "floats", "sparse")
+    A tensor of a bucket that auto sends in fp16 travels as a copy at its scale (transports.uncoded), so its own
+    check waits for a bad step: where its average is not finite the same Max allreduce asks whose gradient was,
+    and where none was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its
+    largest |average| is its next magnitude; one whose magnitude is not known goes in fp32 and is measured."""
 
-    def __init__(self, world, stats, on_nonfinite: str):
-        self.world, self.stats = world, stats
+    __slots__ = ("world", "coder", "on_nonfinite", "floats", "halves", "sparse")
+
+    def __init__(self, world, coder, on_nonfinite: str):
+        self.world, self.coder = world, coder
         self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
-        self.floats: dict = {}  # param -> (whether its gradient was non-finite here, the handle of its average)
+        # param -> (whether its gradient was non-finite here, the handle of its average, whether it is measured)
+        self.floats: dict = {}
+        self.halves: dict = {}  # param -> (its gradient, its scale, the handle of its fp16 average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
-    def send_float(self, p, name: str, g: torch.Tensor) -> None:
-        self.stats.add_float(g.numel() * g.element_size(), self.world.size)
+    def send(self, p, name: str, g: torch.Tensor, wire: str = "fp32") -> None:
+        scale = half_scale(self.coder.magnitude(name), self.world.size) if wire == "fp16" else None
+        if scale is None:
+            self.send_float(p, name, g, measure=wire == "fp16")
+            return
+        self.coder.stats.add_float(g.numel() * 2, self.world.size)
+        self.halves[p] = (g, scale, self.world.average_async_(to_half(g, scale), name=f"terngrad.fp16.{name}"))
+
+    def send_float(self, p, name: str, g: torch.Tensor, measure: bool = False) -> None:
+        self.coder.stats.add_float(g.numel() * g.element_size(), self.world.size)
         mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
-        self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"))
+        self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"), measure)
 
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
-        self.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(), self.world.size)
+        self.coder.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
+                                   self.world.size)
         self.sparse[p] = self.world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
     def finish(self, name_of: dict) -> list[tuple[str, int]]:
@@ -88,15 +106,70 @@ class _Uncoded:
             p.grad.zero_().add_(avg)  # as Horovod: a sparse tensor has no set_()
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
-        floats = [(name_of[p], mine, h) for p, (mine, h) in self.floats.items()]
-        averages = self.world.wait_all([h for _, _, h in floats], lambda i: f"the float average of {floats[i][0]!r}")
-        culprit = nonfinite(averages) if self.on_nonfinite != "propagate" else []
-        if culprit and self.on_nonfinite == "raise":  # the same averages on every rank: every rank asks
-            mine = torch.tensor([float(self.world.rank + 1) if floats[i][1] else 0.0 for i in culprit])
-            ranks = self.world.wait(self.world.max_allreduce_async(mine, name="terngrad.float.nonfinite"),
-                                    "the non-finite ranks of the float averages").tolist()
-            return bad + [(floats[i][0], int(r) - 1) for i, r in zip(culprit, ranks)]
-        return bad + [(floats[i][0], -1) for i in culprit]
+        floats = [(name_of[p], mine, h, measure) for p, (mine, h, measure) in self.floats.items()]
+        halves = [(name_of[p], g, scale, h) for p, (g, scale, h) in self.halves.items()]
+        done = self.world.wait_all([f[2] for f in floats] + [h[3] for h in halves],
+                                   lambda i: f"the float average of {(floats + halves)[i][0]!r}")
+        averages, halved = done[:len(floats)], done[len(floats):]
+        culprit = self._checked(floats, averages)
+        outgrown = []  # the fp16 averages that are not finite: a NaN somewhere, or a gradient past its scale
+        for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved)):
+            m = absmax(avg) / scale
+            if not math.isfinite(m):
+                outgrown.append(i)  # its gradient stays until the ranks have said whose it was
+                continue
+            from_half(avg, scale, out=g)
+            self.coder.magnitudes[name] = m
+        ask = culprit if self.on_nonfinite == "raise" else []
+        if not (ask or outgrown):
+            return bad + [(floats[i][0], -1) for i in culprit]
+        me = float(self.world.rank + 1)
+        mine = [me if floats[i][1] else 0.0 for i in ask] + [me if nonfinite([halves[i][1]]) else 0.0
+                                                              for i in outgrown]
+        ranks = self.world.wait(self.world.max_allreduce_async(torch.tensor(mine), name="terngrad.float.nonfinite"),
+                                "the non-finite ranks of the float averages").tolist()
+        bad += [(floats[i][0], int(r) - 1) for i, r in zip(ask, ranks)]
+        bad += [(floats[i][0], -1) for i in culprit if i not in ask]
+        redo = []
+        for i, r in zip(outgrown, ranks[len(ask):]):
+            name, g, scale, _ = halves[i]
+            if r:  # a rank's gradient was not finite: its average is handed on as it is
+                from_half(halved[i], scale, out=g)
+                bad.append((name, int(r) - 1))
+            else:
+                redo.append((name, g))
+        return bad + self._redo(redo)
+
+    def _checked(self, floats: list, averages: list) -> list[int]:
+        """The indices of the float averages that are not finite (none looked for with "propagate", but those
+        measured, whose largest |average| becomes their magnitude)."""
+        culprit = []
+        for i, ((name, _, _, measure), avg) in enumerate(zip(floats, averages)):
+            if measure:
+                m = absmax(avg)
+                if math.isfinite(m):
+                    self.coder.magnitudes[name] = m
+                    continue
+            elif self.on_nonfinite == "propagate" or not nonfinite([avg]):
+                continue
+            culprit.append(i)
+        return culprit
+
+    def _redo(self, outgrown: list) -> list[tuple[str, int]]:
+        """The (name, gradient) whose fp16 averages outgrew their scale, averaged again in fp32 in place, on every
+        rank alike; the non-finite ones among them (finite values whose sum is not)."""
+        if not outgrown:
+            return []
+        handles = [self.world.average_async_(g, name=f"terngrad.fp32.outgrown.{name}") for name, g in outgrown]
+        bad = []
+        for (name, _), avg in zip(outgrown, self.world.wait_all(
+                handles, lambda i: f"the fp32 average of {outgrown[i][0]!r}, which outgrew fp16")):
+            m = absmax(avg)
+            if math.isfinite(m):
+                self.coder.magnitudes[name] = m
+            else:
+                bad.append((name, -1))
+        return bad
 
 
 class _StepProtocol:
@@ -233,20 +306,21 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if b is None:
             self._uncoded.send_float(p, name, g)
             return
-        if self._sends_uncoded(b):  # a coded tensor until the plan: its residual goes along
+        wire = self._uncoded_wire(b)
+        if wire:  # a coded tensor until the plan: its residual goes along
             self._pipe.coder.merge_residual(name, g)
-            self._uncoded.send_float(p, name, g)
+            self._uncoded.send(p, name, g, wire)
             return
         self._bucket_member_ready(b, p)
 
     def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.stats, self._cfg.on_nonfinite)
+        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite)
 
-    def _sends_uncoded(self, b: _Bucket) -> bool:
-        """Whether transport="auto" sends bucket b uncoded: then each of its tensors is averaged as soon as it is
-        ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's float average inside
-        the node comes first, so it goes through the pipeline, as one group."""
-        return self._hier is None and self._pipe.sends_uncoded(b.key)
+    def _uncoded_wire(self, b: _Bucket) -> str | None:
+        """The wire transport="auto" sends bucket b uncoded in (None: coded): then each of its tensors is averaged
+        as soon as it is ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's
+        float average inside the node comes first, so it goes through the pipeline, as one group."""
+        return self._pipe.uncoded(b.key) if self._hier is None else None
 
     def _bucket_member_ready(self, b: _Bucket, p):
         b.ready.add(p)

@@ -30,7 +30,7 @@ from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import resolve_transport
-from hvd_terngrad.transports.uncoded import UNCODED
+from hvd_terngrad.transports.uncoded import uncoded_transport
 from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
 
 STATE_VERSION = 1  # of state_dict()
@@ -101,9 +101,10 @@ class Pipeline:
     def stats(self):
         return self.coder.stats
 
-    def sends_uncoded(self, key: str) -> bool:
-        """Whether transport="auto"'s plan sends the group `key` as one fp32 average (hvd_terngrad.auto)."""
-        return self.auto is not None and self.auto.uncoded(key)
+    def uncoded(self, key: str) -> str | None:
+        """The wire ("fp32", "fp16") transport="auto"'s plan sends the group `key` uncoded in, as one average
+        (hvd_terngrad.auto); None where it is coded."""
+        return self.auto.wire if self.auto is not None and self.auto.uncoded(key) else None
 
     def next_step(self) -> None:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
@@ -152,10 +153,11 @@ class Pipeline:
         this call, on another thread (auto measures the window backward leaves)."""
         what = what or f"{named[0][0]!r}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
         auto = self.auto
-        if self.sends_uncoded(key):
+        wire = self.uncoded(key)
+        if wire:
             g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
-            g.transport, g.stage = UNCODED, Stage.SENDING
-            g.handle = UNCODED.start(self.comm, UNCODED.encode(self.coder, g.items), key)
+            t = g.transport = uncoded_transport(wire, self.coder, g.items)
+            g.stage, g.handle = Stage.SENDING, t.start(self.comm, t.encode(self.coder, g.items), key)
             return g
         arrived, encoded = time.perf_counter(), self.stats.current.time_encode
         items = [self.coder.prepare(name, grad) for name, grad in named]

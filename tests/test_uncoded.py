@@ -1,0 +1,230 @@
+"""The uncoded averages transport="auto" may send in place of codes (hvd_terngrad.transports.uncoded): fp32, and
+fp16 at a scale every rank agrees on, with what a gradient past that scale, a NaN, and a tensor not measured
+yet do to it; on loopback ranks and on real ones."""
+import math
+
+import pytest
+import torch
+
+import hvd_terngrad.auto as auto
+from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan
+from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
+from hvd_terngrad.commcost import Link
+from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.errors import NonFiniteGradientError
+from hvd_terngrad.pipeline import Pipeline, exchange
+from hvd_terngrad.transports.uncoded import HALF_HEADROOM, absmax, from_half, half_scale, to_half
+from tests.golden import frontends as G
+from tests.mpi_harness import run_ranks
+
+
+def test_the_scale_is_a_power_of_two_that_leaves_the_headroom_below_fp16s_range():
+    for size in (2, 4, 7, 512):
+        for magnitude in (1e-30, 3e-9, 0.02, 1.0, 5e4, 1e30):
+            s = half_scale(magnitude, size)
+            assert math.frexp(s)[0] == 0.5  # a power of two: scaling and unscaling are exact
+            top = size * HALF_HEADROOM * magnitude * s  # what N ranks' values at the headroom would sum to, scaled
+            assert 2.0 ** 14 < top <= 2.0 ** 15 < 65504.0, (size, magnitude)
+    for unknown in (None, 0.0, math.inf, math.nan, -1.0):
+        assert half_scale(unknown, 4) is None  # such a tensor travels in fp32
+    assert half_scale(1e-300, 4) == 2.0 ** 120  # clamped: the scale and its inverse stay normal fp32
+
+
+def test_a_scaled_half_keeps_tiny_and_large_gradients_that_a_plain_cast_loses():
+    g = torch.randn(10000, generator=torch.Generator().manual_seed(0))
+    for magnitude in (1e-9, 1e5):  # a plain .half() flushes the first to zero and overflows the second
+        x = g * magnitude
+        s = half_scale(absmax(x), 4)
+        back = from_half(to_half(x, s), s)
+        assert back.dtype == torch.float32 and torch.allclose(back, x, rtol=2 ** -10, atol=absmax(x) * 2 ** -20)
+        assert not torch.allclose(x.half().float(), x, rtol=2 ** -10, atol=absmax(x) * 2 ** -20)
+    assert math.isnan(absmax(torch.tensor([1.0, math.nan]))) and absmax(torch.tensor([-3.0, 2.0])) == 3.0
+    assert absmax(torch.empty(0)) == 0.0
+
+
+def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
+    """As tests.test_auto._steps: one bucket of 10^6 elements, step k taking seconds[k]."""
+    clock = 0.0
+    for took in seconds:
+        clock += took
+        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
+        if p.carrying:
+            p.agree(p.carried())
+        p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
+
+
+def test_the_plan_is_tried_in_fp32_and_in_fp16_and_the_faster_wire_is_kept():
+    kinds = {"fp16": (0.008, 0.006), "fp32": (0.006, 0.008), "coded": (0.012, 0.011)}
+    for kept, (fp32, fp16) in kinds.items():
+        p = AutoPlan()
+        _steps(p, [0.010] * PLAN_STEP + [fp32] * TRIAL_STEPS + [fp16] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+        assert p.decided and p.summary()["tried"] == [{"coding": [], "transport": None, "uncoded": "fp32"},
+                                                      {"coding": [], "transport": None, "uncoded": "fp16"}]
+        assert p.verdict == pytest.approx((0.010, fp32, fp16))
+        assert p.summary()["uncoded_wire_now"] == (None if kept == "coded" else kept)
+        assert p.uncoded("bucket.0") == (kept != "coded") and (kept == "coded" or p.wire == kept)
+
+
+@pytest.fixture
+def fp16_untried(monkeypatch):
+    """The model's plan in force at once, untried, with its uncoded groups in fp16."""
+    monkeypatch.setattr(auto, "TRIAL_STEPS", 0)
+    monkeypatch.setattr(auto, "WIRES", ("fp16",))
+
+
+def _run(steps, spike=None, nan=None, new_group_at=None, **options):
+    """Groups through 4 loopback ranks on a link where auto sends them uncoded: each step's (step, key, groups,
+    averages, the gradients sent). spike / nan: (step, rank), where t1's element 7 is 10^6 times larger / NaN.
+    new_group_at: from this step on a group auto has not seen ("bucket.9") goes too."""
+    n = 4
+    cfg = TernGradConfig(transport="auto", link_gbps=1000.0, **options)
+    pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
+    out = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        named = [[(f"t{i}", torch.randn(3000 + i, generator=gen) * 10.0 ** -i) for i in range(3)] for _ in range(n)]
+        for fault, value in ((spike, 1e6), (nan, math.nan)):
+            if fault is not None and fault[0] == step:
+                t = named[fault[1]][1][1]
+                t[7] = value * (t[7] if value == 1e6 else 1.0)
+        if new_group_at is not None and step >= new_group_at:
+            for nm in named:
+                nm.append(("new", nm[0][1] * 3.0))
+        keys = [("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3)), ("bucket.9", slice(3, 4))]
+        for key, part in keys[:3 if len(named[0]) > 3 else 2]:
+            sent = [[(name, t.clone()) for name, t in nm[part]] for nm in named]
+            groups, averages = exchange(pipes, key, sent)
+            out.append((step, key, groups, averages, [nm[part] for nm in named]))
+        for p in pipes:
+            p.next_step()
+    return pipes, out
+
+
+def test_an_fp16_average_is_within_its_rounding_of_the_exact_average_and_every_rank_gets_the_same(fp16_untried):
+    pipes, out = _run(PLAN_STEP + 3)
+    for step, key, groups, averages, named in out:
+        if step < PLAN_STEP:
+            continue
+        assert {g.transport.name for g in groups} == {"fp16"}, (step, key)
+        exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
+        got = torch.cat(averages[0])
+        assert all(torch.equal(torch.cat(a), got) for a in averages)  # the same bits on every rank
+        off = 0
+        for name, t in named[0]:  # fp16's rounding: of each value, and of the partial sums (up to N times one)
+            n, m = t.numel(), absmax(exact[off: off + t.numel()])
+            assert torch.allclose(got[off: off + n], exact[off: off + n], rtol=2 ** -9, atol=m * 2 ** -8), name
+            off += n
+    # each tensor's magnitude: its last average's largest |value|, the same on every rank
+    assert len({tuple(sorted(p.coder.magnitudes.items())) for p in pipes}) == 1
+    assert pipes[0].coder.magnitudes["t2"] == pytest.approx(absmax(torch.cat(out[-1][3][0])), rel=1e-6)
+
+
+def test_a_gradient_that_outgrows_its_fp16_scale_is_averaged_again_in_fp32_in_the_same_step(fp16_untried):
+    at = PLAN_STEP + 1
+    pipes, out = _run(at + 2, spike=(at, 2))
+    (step, key, groups, averages, named), = [o for o in out if o[:2] == (at, "bucket.0")]
+    exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
+    for g, a in zip(groups, averages):
+        assert [it.nonfinite_rank for it in g.items] == [-1, -1]  # no error: nobody's gradient was non-finite
+        assert g.handle.redone.keys() == {1}  # t1 redone in fp32, t0 kept its fp16 average
+        assert torch.equal(a[1], exact[3000:])  # bit for bit Horovod's fp32 average
+    nxt = [o for o in out if o[:2] == (at + 1, "bucket.0")][0][2]
+    assert not nxt[0].handle.redone and nxt[0].transport.name == "fp16"
+
+
+def test_a_nan_in_an_fp16_group_names_the_tensor_and_the_rank_on_every_rank(fp16_untried):
+    at = PLAN_STEP + 1
+    pipes, out = _run(at + 1, nan=(at, 3))
+    (_, _, groups, averages, _), = [o for o in out if o[:2] == (at, "bucket.0")]
+    for p, g, a in zip(pipes, groups, averages):
+        assert [it.nonfinite_rank for it in g.items] == [-1, 3] and not g.handle.redone
+        assert not bool(a[1].isfinite().all())  # handed on as it is (propagate would fill it with NaN)
+        with pytest.raises(NonFiniteGradientError, match=r"'t1' on rank 3 at step"):
+            p.coder.raise_nonfinite(p.nonfinite(g))
+    assert math.isfinite(pipes[0].coder.magnitudes["t1"])  # the NaN did not become a magnitude
+
+
+def test_a_group_whose_magnitudes_are_not_known_goes_in_fp32_once_and_is_measured(fp16_untried):
+    """bucket.9 appears after the plan: its tensors were never coded, so no rank knows their scale."""
+    at = PLAN_STEP + 1
+    pipes, out = _run(at + 2, new_group_at=at, share_scaler=True)
+    wires = [(step, groups[0].transport.name, groups[0].transport.measures) for step, key, groups, _, _ in out
+             if key == "bucket.9"]
+    assert wires == [(at, "fp32", True), (at + 1, "fp16", True)]
+
+
+def test_with_error_feedback_the_residual_goes_along_the_first_fp16_average_and_is_let_go(fp16_untried):
+    pipes, _ = _run(PLAN_STEP + 2, error_feedback=True)
+    assert not any(p.coder.feedback.worker for p in pipes)  # let go once the first average carried it
+
+
+# ------------------------------------------------------------------------------------------
+def body_frontends_fp16(port, spike_step):
+    """The three front ends with transport="auto" on a link so fast that no group is worth coding, the plan in
+    force in fp16: each one's parameters after PLAN_STEP + 3 steps, the wires its groups took, and its
+    magnitudes. At spike_step rank 1's gradient of one tensor is 10^6 times its size: it outgrows its scale."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from tests.test_ddp import _close_gloo, _init_gloo
+
+    hvd_terngrad.auto.TRIAL_STEPS = 0  # the plan untried, in fp16: this is about the wire, not timing
+    hvd_terngrad.auto.WIRES = ("fp16",)
+    hvd.init()
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    opts = {**G.COMMON, "transport": "auto", "link_gbps": 1000.0}
+    at = [0]
+    spiked = "body.4.weight"
+
+    def spike(g):
+        return g * 1e6 if (rank, at[0]) == (1, spike_step) else g
+
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = TernGradState(model.named_parameters(), **opts)
+    ddp.register_comm_hook(state, terngrad_hook)
+    ref, stock = G.Net(), G.Net()
+    tg = hvd_terngrad.TernGrad(**opts)
+    tg_stock = hvd_terngrad.TernGrad(stock.named_parameters(), **opts)
+    for net in (model, ref, stock):
+        dict(net.named_parameters())[spiked].register_hook(spike)
+    runs = [(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)),
+            (ref, hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                                    named_parameters=ref.named_parameters(), compression=tg)),
+            (stock, hvd.DistributedOptimizer(torch.optim.SGD(stock.parameters(), lr=0.1),
+                                             named_parameters=stock.named_parameters(), compression=tg_stock))]
+    growth = []  # each front end's magnitude of the spiked tensor over the step before's, at spike_step
+    for step in range(PLAN_STEP + 3):
+        at[0] = step
+        before = [p.coder.magnitude(spiked) or 0.0 for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)
+                  ] if step else []
+        for net, o in runs:
+            o.zero_grad()
+            G.loss(net, rank, step).backward()
+            o.step()
+        if step == spike_step:
+            growth = [p.coder.magnitudes[spiked] / b for p, b in zip((state.pipeline, tg.pipeline, tg_stock.pipeline),
+                                                                     before)]
+    pipes = (state.pipeline, tg.pipeline, tg_stock.pipeline)
+    out = ([G.digest(m.parameters()) for m in (model, ref, stock)], [p.auto.wire for p in pipes],
+           [sorted(p.coder.magnitudes) for p in pipes], growth)
+    del ddp, state
+    _close_gloo()
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("spike_step", [None, PLAN_STEP + 1], ids=["steady", "outgrown"])
+def test_every_front_end_averages_in_fp16_where_auto_says_so_and_they_agree(spike_step):
+    port = 29705 if spike_step is None else 29707
+    res = run_ranks("tests.test_uncoded:body_frontends_fp16", np=2, timeout=240, args=(port, spike_step))
+    for digests, wires, measured, growth in res:
+        assert wires == ["fp16"] * 3
+        assert all(m for m in measured)  # every front end measured its tensors' magnitudes
+        # outgrown: the average, redone in fp32, is about half the spike (rank 1's of 2) bigger than the last one
+        assert growth == [] if spike_step is None else len(growth) == 3 and all(g > 1e4 for g in growth), growth
+        # two ranks: a + b in fp16 rounds alike in any order, so Horovod's and gloo's fp16 sums agree bit for bit
+        assert digests[0] == digests[1] == digests[2]
+    assert res[0][0] == res[1][0]
