@@ -175,9 +175,10 @@ class TernGrad(Compressor):
         name = self._name_of(tensor)
         self._calls += 1
         pipe.coder.check_dtype(name, tensor)
-        if not self.config.compresses(name, tensor.numel()):
+        if not self.config.compresses(name, tensor.numel()) and pipe.float_wire() == "fp32":
             pipe.stats.add_float(tensor.numel() * tensor.element_size(), pipe.size)
             return tensor, _PASS
+        # coded, or in fp16 with auto's uncoded groups: through the pipeline, a group of its own
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         with self._lock:

@@ -29,8 +29,9 @@ class TernGradConfig:
 
     clip: c of the scaler s = min(c * std(g), max|g|); 0 turns clipping off (s = max|g|).
     share_scaler: every rank codes with the max of the ranks' scalers (one tiny Max allreduce).
-    min_numel: tensors with fewer elements pass through in float (plain allreduce average).
-    exclude: fnmatch patterns of parameter names that pass through in float, e.g. ("fc.*",).
+    min_numel: tensors with fewer elements pass through in float (plain allreduce average; where
+        transport="auto" keeps fp16 for its uncoded groups, in fp16 with them: transports.uncoded).
+    exclude: fnmatch patterns of parameter names that pass through in float, e.g. ("fc.*",); as min_numel's.
     seed: the Philox key; with step, rank and tensor it fixes every random draw.
     error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
     owner_error_feedback: transport="sharded-ternary" only: each shard owner keeps the error of its second

@@ -25,10 +25,11 @@ torch.distributed matches collectives by the order in which each rank issues the
 could pair different collectives across ranks. DDP waits for every future at the end of backward. As DDP
 expects of a hook, the future's value is the bucket's average (DDP does not divide by the world size).
 
-Where transport="auto" sends every bucket uncoded, no coded bucket's collectives need keeping in order, and
-the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
+Where transport="auto" sends every bucket uncoded in fp32, no coded bucket's collectives need keeping in order,
+and the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
 (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
-collective in a callback).
+collective in a callback). In fp16 the worker averages them: a tensor that outgrew its scale needs a second
+average (transports.uncoded).
 
 Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
 completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
@@ -247,8 +248,8 @@ class TernGradState:
     def _exchange(self, job: "_Job") -> None:
         """One group's exchange: its averages written into its gradients (the views of DDP's buffers)."""
         pipe, comm, h, key = self.pipeline, self.world, self.hierarchy, f"bucket.{job.index}"
-        if h is None and job.floats and pipe.uncoded(key) == "fp32":  # one fp32 average, in place
-            job.coded, job.floats = job.coded + job.floats, []  # (in fp16 the floats stay in their own average)
+        if h is None and job.floats and pipe.uncoded(key):  # one average, in place where it is fp32
+            job.coded, job.floats = job.coded + job.floats, []
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
         floats = None
         if job.floats:  # one float average of the bucket's uncoded tensors

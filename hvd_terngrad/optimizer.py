@@ -304,7 +304,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         g = self._grad(p)
         self._pipe.coder.check_dtype(name, g)
         if b is None:
-            self._uncoded.send_float(p, name, g)
+            self._uncoded.send(p, name, g, self._float_wire())
             return
         wire = self._uncoded_wire(b)
         if wire:  # a coded tensor until the plan: its residual goes along
@@ -315,6 +315,11 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     def _new_uncoded(self) -> _Uncoded:
         return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite)
+
+    def _float_wire(self) -> str:
+        """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,
+        whose uncoded groups travel through the pipeline between nodes."""
+        return self._pipe.float_wire() if self._hier is None else "fp32"
 
     def _uncoded_wire(self, b: _Bucket) -> str | None:
         """The wire transport="auto" sends bucket b uncoded in (None: coded): then each of its tensors is averaged

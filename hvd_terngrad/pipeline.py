@@ -30,7 +30,7 @@ from hvd_terngrad.collectives import Collectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import resolve_transport
-from hvd_terngrad.transports.uncoded import uncoded_transport
+from hvd_terngrad.transports.uncoded import UNCODED
 from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
 
 STATE_VERSION = 1  # of state_dict()
@@ -106,6 +106,12 @@ class Pipeline:
         (hvd_terngrad.auto); None where it is coded."""
         return self.auto.wire if self.auto is not None and self.auto.uncoded(key) else None
 
+    def float_wire(self) -> str:
+        """What the tensors that are never coded (min_numel, exclude) travel in: the wire of transport="auto"'s
+        uncoded groups, so that a step's averages share one dtype, which Horovod fuses into one collective (an
+        fp16 plan with them in fp32 took two: docs/transports.md); else fp32."""
+        return self.auto.wire if self.auto is not None else "fp32"
+
     def next_step(self) -> None:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
             cur = self.stats.current
@@ -156,7 +162,7 @@ class Pipeline:
         wire = self.uncoded(key)
         if wire:
             g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
-            t = g.transport = uncoded_transport(wire, self.coder, g.items)
+            t = g.transport = UNCODED[wire]
             g.stage, g.handle = Stage.SENDING, t.start(self.comm, t.encode(self.coder, g.items), key)
             return g
         arrived, encoded = time.perf_counter(), self.stats.current.time_encode

@@ -75,7 +75,7 @@ def fp16_untried(monkeypatch):
 def _run(steps, spike=None, nan=None, new_group_at=None, **options):
     """Groups through 4 loopback ranks on a link where auto sends them uncoded: each step's (step, key, groups,
     averages, the gradients sent). spike / nan: (step, rank), where t1's element 7 is 10^6 times larger / NaN.
-    new_group_at: from this step on a group auto has not seen ("bucket.9") goes too."""
+    new_group_at: from this step on bucket.0 has a third tensor, "new", that was never coded."""
     n = 4
     cfg = TernGradConfig(transport="auto", link_gbps=1000.0, **options)
     pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
@@ -87,11 +87,11 @@ def _run(steps, spike=None, nan=None, new_group_at=None, **options):
             if fault is not None and fault[0] == step:
                 t = named[fault[1]][1][1]
                 t[7] = value * (t[7] if value == 1e6 else 1.0)
-        if new_group_at is not None and step >= new_group_at:
+        grown = new_group_at is not None and step >= new_group_at
+        if grown:
             for nm in named:
-                nm.append(("new", nm[0][1] * 3.0))
-        keys = [("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3)), ("bucket.9", slice(3, 4))]
-        for key, part in keys[:3 if len(named[0]) > 3 else 2]:
+                nm.insert(2, ("new", nm[0][1] * 3.0))
+        for key, part in (("bucket.0", slice(0, 3 if grown else 2)), ("bucket.1", slice(3 if grown else 2, None))):
             sent = [[(name, t.clone()) for name, t in nm[part]] for nm in named]
             groups, averages = exchange(pipes, key, sent)
             out.append((step, key, groups, averages, [nm[part] for nm in named]))
@@ -126,7 +126,7 @@ def test_a_gradient_that_outgrows_its_fp16_scale_is_averaged_again_in_fp32_in_th
     exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
     for g, a in zip(groups, averages):
         assert [it.nonfinite_rank for it in g.items] == [-1, -1]  # no error: nobody's gradient was non-finite
-        assert g.handle.redone.keys() == {1}  # t1 redone in fp32, t0 kept its fp16 average
+        assert g.handle.redone == [1]  # t1 redone in fp32, t0 kept its fp16 average
         assert torch.equal(a[1], exact[3000:])  # bit for bit Horovod's fp32 average
     nxt = [o for o in out if o[:2] == (at + 1, "bucket.0")][0][2]
     assert not nxt[0].handle.redone and nxt[0].transport.name == "fp16"
@@ -144,13 +144,20 @@ def test_a_nan_in_an_fp16_group_names_the_tensor_and_the_rank_on_every_rank(fp16
     assert math.isfinite(pipes[0].coder.magnitudes["t1"])  # the NaN did not become a magnitude
 
 
-def test_a_group_whose_magnitudes_are_not_known_goes_in_fp32_once_and_is_measured(fp16_untried):
-    """bucket.9 appears after the plan: its tensors were never coded, so no rank knows their scale."""
+def test_a_tensor_whose_magnitude_is_not_known_goes_in_fp32_beside_the_group_once_and_is_measured(fp16_untried):
+    """"new" joins bucket.0 after the plan: it was never coded, so no rank knows its scale."""
     at = PLAN_STEP + 1
-    pipes, out = _run(at + 2, new_group_at=at, share_scaler=True)
-    wires = [(step, groups[0].transport.name, groups[0].transport.measures) for step, key, groups, _, _ in out
-             if key == "bucket.9"]
-    assert wires == [(at, "fp32", True), (at + 1, "fp16", True)]
+    pipes, out = _run(at + 2, new_group_at=at)
+    for step, key, groups, averages, named in out:
+        if key != "bucket.0" or step < at:
+            continue
+        parts = groups[0].handle.parts
+        assert [parts[i].dtype for i in range(3)] == [torch.float16, torch.float16] + (
+            [torch.float32] if step == at else [torch.float16]), step  # "new": fp32 once, then fp16
+        exact = horovod_average([nm[2][1] for nm in named])
+        if step == at:
+            assert all(torch.equal(a[2], exact) for a in averages)  # Horovod's fp32 average, bit for bit
+    assert pipes[0].coder.magnitudes["new"] == pytest.approx(absmax(out[-2][3][0][2]), rel=1e-6)
 
 
 def test_with_error_feedback_the_residual_goes_along_the_first_fp16_average_and_is_let_go(fp16_untried):

@@ -14,8 +14,8 @@ before the average (one read); a copy can be checked after, in a bad step only.
 fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and
 divided by it after, both exact (half_scale). The scale comes from the tensor's magnitude, which every rank
 knows alike: its shared scaler where it was last coded, else the largest |average| of its last 16-bit average
-(Coder.magnitude). A tensor whose magnitude is not known yet, or is zero, goes in fp32 with its group, which then
-measures it (FP32_MEASURED). The average is a copy, so the rank's gradient stays for a second look: where an average is
+(Coder.magnitude). A tensor whose magnitude is not known yet, or is zero, goes beside them in an fp32 average,
+which measures it. The average is a copy, so the rank's gradient stays for a second look: where an average is
 not finite and no rank's gradient was, the gradient outgrew the scale's headroom, and every rank averages that
 tensor again in fp32 in the same step. Nothing is lost or clipped; what fp16's 11 significant bits round is not
 fed back into error feedback's residual (a relative 2^-11, against a 2-bit code's whole scaler).
@@ -48,9 +48,10 @@ def half_scale(magnitude: float | None, size: int) -> float | None:
 
 
 def to_half(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x * scale rounded to fp16 (one pass; the product in fp32, exact for a power of two)."""
+    """x * scale rounded to fp16 (one pass; the product in x's dtype, fp32 for fp16's, exact for a power of
+    two)."""
     out = torch.empty(x.shape, dtype=torch.float16, device=x.device) if out is None else out
-    return torch.mul(x, _factor(scale, x.device), out=out)
+    return torch.mul(x, _factor(scale, x.device) if x.dtype == torch.float16 else scale, out=out)
 
 
 def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,30 +68,36 @@ def absmax(x: torch.Tensor) -> float:
     return max(-float(lo), float(hi)) if not math.isnan(float(lo)) else math.nan
 
 
+_FACTORS: dict = {}  # (power of two, device) -> its 1-element fp32 tensor: a step's scales repeat
+
+
 def _factor(value: float, device) -> torch.Tensor:
-    # a 1-element fp32 tensor, not a Python number: it makes the product fp32 whatever x's dtype (a number would
-    # leave fp16 * number in fp16, where the divided values would leave the normal range)
-    return torch.tensor([value], dtype=torch.float32, device=device)
+    """value as a 1-element fp32 tensor, not a Python number: it makes the product fp32 whatever the other
+    factor's dtype (fp16 * number stays fp16, where divided values would leave the normal range)."""
+    f = _FACTORS.get((value, device))
+    if f is None:
+        f = _FACTORS[(value, device)] = torch.tensor([value], dtype=torch.float32, device=device)
+    return f
 
 
 class _Sending:
-    """An uncoded group in flight: its average, then (only if non-finite) which ranks were non-finite, then (fp16,
-    only where no rank was) the fp32 average of the tensors that outgrew their scale."""
+    """An uncoded group in flight: its averages, then (only if one is not finite) which ranks were non-finite,
+    then (fp16, only where no rank was) the fp32 average of the tensors that outgrew their scale."""
 
-    __slots__ = ("items", "rank", "key", "scales", "average", "result", "absmax", "bad", "mine", "flags", "redo",
+    __slots__ = ("items", "rank", "key", "scales", "averages", "whole", "parts", "absmax", "bad", "mine", "flags",
                  "redone", "done")
 
-    def __init__(self, items, rank: int, key: str, scales, average, mine):
+    def __init__(self, items, rank: int, key: str, scales, mine):
         self.items, self.rank, self.key = items, rank, key
-        self.scales = scales  # fp16: each item's power of two (half_scale); None for fp32
-        self.average = average  # the allreduce's handle
-        self.result: torch.Tensor | None = None  # the average, once waited for
-        self.absmax: list[float] = []  # fp16: each item's largest |average| (its next magnitude)
+        self.scales = scales  # fp16: each item's power of two (half_scale), None where it travels in fp32
+        self.averages: list = []  # the allreduces in flight: (handle, the indices of the items it averages)
+        self.whole: torch.Tensor | None = None  # the last average received, whole
+        self.parts: dict[int, torch.Tensor] = {}  # item index -> its average (fp16 at its scale, or fp32)
+        self.absmax: dict[int, float] = {}  # fp16 wire: item index -> its largest |average| (its next magnitude)
         self.bad: list[int] = []  # the items whose average is not finite
         self.mine = mine  # this rank's non-finite flags, where known before the average (in place)
         self.flags = None  # the non-finite Max allreduce's handle, while in flight
-        self.redo = None  # fp16: (the fp32 average's handle, the indices of the items it averages), in flight
-        self.redone: dict[int, torch.Tensor] = {}  # fp16: item index -> its fp32 average, where redone
+        self.redone: list[int] = []  # fp16 wire: the items averaged again in fp32, having outgrown their scale
         self.done = False
 
 
@@ -99,114 +106,124 @@ class Uncoded(Transport):
     collective = "allreduce"
     auto_ok = False  # chosen by auto's plan (hvd_terngrad.auto), which weighs the codec time too
 
-    def __init__(self, dtype: torch.dtype, measures: bool = False):
+    def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.name = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
         self.element_bytes = torch.finfo(dtype).bits // 8
-        # whether each tensor's largest |average| is taken as its magnitude (an aminmax each, in place of one
-        # sum over the group): fp16's next scale, or an fp32 group's whose tensors' magnitudes are not known yet
-        self.measures = measures or dtype is torch.float16
 
     def encode(self, coder, items):
-        """The group's gradients (their residuals merged in: Coder.plain) as one tensor to average. fp32: in place
+        """The group's gradients (their residuals merged in: Coder.plain), to average. fp32: one tensor, in place
         where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. fp16: a copy, each tensor at
-        its scale. The items go along: a non-finite average asks which of them were non-finite here, which a copy
-        can tell afterwards and in place must be known before."""
-        off = 0
-        for it in items:
-            coder.stats.add_float(it.numel * self.element_bytes, coder.size)
-            it.offset, off = off, off + it.numel
+        its scale, and the tensors whose magnitude is not known (or zero) in a second copy, in fp32. A
+        non-finite average asks which of them were non-finite here, which a copy can tell afterwards and in
+        place must be known before."""
         if self.dtype is torch.float16:
             scales = [half_scale(coder.magnitude(it.name), coder.size) for it in items]
-            values = torch.empty(off, dtype=torch.float16, device=items[0].flat.device)
-            for it, s in zip(items, scales):
-                to_half(it.flat, s, out=values[it.offset: it.offset + it.numel])
-            return values, items, coder.rank, None, scales
+            known = [i for i, s in enumerate(scales) if s is not None]
+            values = torch.empty(sum(items[i].numel for i in known), dtype=torch.float16, device=items[0].flat.device)
+            off = 0
+            for i in known:
+                it = items[i]
+                to_half(it.flat.reshape(-1), scales[i], out=values[off: off + it.numel])
+                off += it.numel
+                coder.stats.add_float(it.numel * 2, coder.size)
+            unknown = [i for i, s in enumerate(scales) if s is None]
+            for i in unknown:
+                coder.stats.add_float(items[i].numel * 4, coder.size)
+            return [(values, known), (_fp32_copy(items, unknown), unknown)], items, coder.rank, None, scales
+        for it in items:
+            coder.stats.add_float(it.numel * 4, coder.size)
         values = _span(items)
         flags = None
         if values is None:
-            values = torch.cat([it.flat.reshape(-1).float() for it in items])
+            values = _fp32_copy(items, range(len(items)))
         elif nonfinite([values]):
             flags = _nonfinite(items, coder.rank)
-        return values, items, coder.rank, flags, None
+        return [(values, list(range(len(items))))], items, coder.rank, flags, None
 
     def start(self, comm, payload, key):
-        values, items, rank, flags, scales = payload
-        return _Sending(items, rank, key, scales, comm.average_async_(values, name=f"terngrad.{self.name}.{key}"),
-                        flags)
+        parts, items, rank, flags, scales = payload
+        h = _Sending(items, rank, key, scales, flags)
+        for (values, idx), name in zip(parts, (f"terngrad.{self.name}.{key}", f"terngrad.fp32.measured.{key}")):
+            if idx:
+                h.averages.append((comm.average_async_(values, name=name), idx))
+        return h
 
     def advance(self, comm, handle, what, block):
-        """Move on once the collective in flight is done: the average (non-finite: ask which ranks were), the
-        ranks' flags (fp16: average again in fp32 what no rank's gradient made non-finite); whether it moved."""
+        """Move on once the collectives in flight are done: the averages (one not finite: ask which ranks were),
+        the ranks' flags (fp16: average again in fp32 what no rank's gradient made non-finite); whether it
+        started another collective."""
         h = handle
         if h.done:
             return False
-        if h.flags is None and h.redo is None:  # the average in flight
-            if not (block or comm.poll(h.average)):
-                return False
-            h.result = comm.wait(h.average, f"the {self.name} average of {what}")
-            h.bad = self._nonfinite_parts(h)
-            if not h.bad:
-                h.done = True
-                return False
-            mine = h.mine if h.mine is not None else _nonfinite(h.items, h.rank)
-            h.flags = comm.max_allreduce_async(mine, name=f"terngrad.{self.name}.nonfinite.{h.key}")
-            return True
         if h.flags is not None:
             if not (block or comm.poll(h.flags)):
                 return False
             for it, f in zip(h.items, comm.wait(h.flags, f"the non-finite ranks of {what}").cpu().tolist()):
                 it.nonfinite_rank = int(f) - 1
             h.flags = None
-            outgrown = [i for i in h.bad if h.items[i].nonfinite_rank < 0] if h.scales is not None else []
-            if not outgrown:
+            h.redone = [i for i in h.bad if h.items[i].nonfinite_rank < 0 and self._scaled(h, i)]
+            if not h.redone:
                 h.done = True
-                return True
-            values = torch.cat([h.items[i].flat.reshape(-1).float() for i in outgrown])
-            h.redo = (comm.average_async_(values, name=f"terngrad.fp32.outgrown.{h.key}"), outgrown)
+                return False
+            h.averages = [(comm.average_async_(_fp32_copy(h.items, h.redone), name=f"terngrad.fp32.outgrown.{h.key}"),
+                           h.redone)]
             return True
-        if not (block or comm.poll(h.redo[0])):
+        if not (block or all(comm.poll(a) for a, _ in h.averages)):
             return False
-        redone, off = comm.wait(h.redo[0], f"the fp32 average of {what}, which outgrew fp16"), 0
-        for i in h.redo[1]:
-            n = h.items[i].numel
-            h.redone[i], off = redone[off: off + n], off + n
-        h.redo, h.done = None, True
+        for a, idx in h.averages:
+            received, off = comm.wait(a, f"the {self.name} average of {what}"), 0
+            h.whole = received
+            for i in idx:
+                h.parts[i], off = received[off: off + h.items[i].numel], off + h.items[i].numel
+        redoing, h.averages = bool(h.redone), []
+        if redoing:  # the outgrown ones' fp32 averages: their magnitudes from them
+            h.absmax.update({i: absmax(h.parts[i]) for i in h.redone})
+            h.done = True
+            return False
+        h.bad = self._nonfinite_parts(h)
+        if not h.bad:
+            h.done = True
+            return False
+        mine = h.mine if h.mine is not None else _nonfinite(h.items, h.rank)
+        h.flags = comm.max_allreduce_async(mine, name=f"terngrad.{self.name}.nonfinite.{h.key}")
         return True
 
+    def _scaled(self, h, i: int) -> bool:
+        """Whether item i's average came in fp16 at its scale (not yet redone in fp32)."""
+        return h.scales is not None and h.scales[i] is not None and i not in h.redone
+
     def _nonfinite_parts(self, h) -> list[int]:
-        """The items whose average is not finite (fp16: each one's largest |average| kept, its next magnitude)."""
-        if not self.measures:
-            if not nonfinite([h.result]):
-                return []
-            return nonfinite([h.result[it.offset: it.offset + it.numel] for it in h.items])
-        scales = h.scales or [1.0] * len(h.items)
-        h.absmax = [absmax(h.result[it.offset: it.offset + it.numel]) / s for it, s in zip(h.items, scales)]
-        return [i for i, m in enumerate(h.absmax) if not math.isfinite(m)]
+        """The items whose average is not finite (fp16 wire: each one's largest |average| kept, its next
+        magnitude)."""
+        if h.scales is None:
+            # one sum over the whole average first: a finite step costs no more (fp32 has one average)
+            return nonfinite([h.parts[i] for i in range(len(h.items))]) if nonfinite([h.whole]) else []
+        for i in range(len(h.items)):
+            h.absmax[i] = absmax(h.parts[i]) / (h.scales[i] if self._scaled(h, i) else 1.0)
+        return [i for i, m in h.absmax.items() if not math.isfinite(m)]
 
     def finish(self, comm, handle, what):
-        while self.advance(comm, handle, what, block=True):
-            pass
+        while not handle.done:
+            self.advance(comm, handle, what, block=True)
         return handle
 
     def decode(self, coder, items, received, outs=None):
-        """Each item's average (fp32, flat), into outs where given. fp16: divided by its scale, or its fp32
-        average where it was redone; its largest |average| becomes its magnitude."""
+        """Each item's average (fp32, flat), into outs where given: divided by its scale where it came in fp16.
+        fp16 wire: each one's largest |average| becomes its magnitude (not a NaN's; a zero's, which sends it in
+        fp32 next time)."""
         h = received
         out = []
         for i, it in enumerate(items):
-            dst = destination(outs, i)
-            if h.scales is None or i in h.redone:
-                part = h.redone[i] if i in h.redone else h.result[it.offset: it.offset + it.numel]
-                if dst is not None and dst.data_ptr() != part.data_ptr():
-                    dst.copy_(part)
-            else:
-                part = from_half(h.result[it.offset: it.offset + it.numel], h.scales[i], out=dst)
+            dst, part = destination(outs, i), h.parts[i]
+            if part.dtype == torch.float16:
+                part = from_half(part, h.scales[i], out=dst)
+            elif dst is not None and dst.data_ptr() != part.data_ptr():
+                dst.copy_(part)
             out.append(part if dst is None else dst)
-            if self.measures:
-                m = absmax(h.redone[i]) if i in h.redone else h.absmax[i]
-                if math.isfinite(m):  # zero too: such a tensor is measured again in fp32
-                    coder.magnitudes[it.name] = m
+            m = h.absmax.get(i)
+            if m is not None and math.isfinite(m):
+                coder.magnitudes[it.name] = m
         return out
 
     def submitted_bytes(self, numel, tensors):
@@ -220,18 +237,14 @@ class Uncoded(Transport):
 
 
 FP32 = Uncoded(torch.float32)
-FP32_MEASURED = Uncoded(torch.float32, measures=True)
 FP16 = Uncoded(torch.float16)
-WIRES = ("fp32", "fp16")  # what auto's plans send an uncoded group in
+UNCODED = {t.name: t for t in (FP32, FP16)}  # what auto's plans send an uncoded group in
+WIRES = tuple(UNCODED)
 
 
-def uncoded_transport(wire: str, coder, items) -> Uncoded:
-    """How a group travels that auto's plan sends uncoded on `wire`: in fp16 where every tensor's magnitude is
-    known and not zero, else in fp32 (measuring the magnitudes where the wire is fp16)."""
-    if wire == "fp32":
-        return FP32
-    known = all(half_scale(coder.magnitude(it.name), coder.size) is not None for it in items)
-    return FP16 if known else FP32_MEASURED
+def _fp32_copy(items, indices) -> torch.Tensor:
+    """The gradients of items[indices], back to back in one fp32 tensor (a copy)."""
+    return torch.cat([items[i].flat.reshape(-1).float() for i in indices]) if indices else torch.empty(0)
 
 
 def _span(items) -> torch.Tensor | None:
