@@ -104,8 +104,10 @@ def test_where_the_model_codes_with_the_sharded_transport_the_allgather_and_fp32
     assert plans["sharded"].coded is None and plans["sharded"].transport is None
 
 
-def _train(gbps, steps, nan_at=None, **options):
-    """Two groups through 4 loopback ranks for `steps` steps: each step's groups and averages."""
+def _train(gbps, steps, nan_at=None, change=None, **options):
+    """Two groups through 4 loopback ranks for `steps` steps: each step's (step, key, groups, averages, the
+    gradients sent). change(step, named), where given, alters a step's tensors of every rank in place, and
+    returns the groups as (key, slice of the tensors), or None for the two."""
     n = 4
     cfg = TernGradConfig(transport="auto", link_gbps=gbps, **options)
     pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
@@ -115,7 +117,8 @@ def _train(gbps, steps, nan_at=None, **options):
         named = [[(f"t{i}", torch.randn(3000 + i, generator=g)) for i in range(3)] for _ in range(n)]
         if nan_at == step:
             named[2][1][1][7] = float("nan")
-        for key, part in (("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3))):
+        groups = change(step, named) if change is not None else None
+        for key, part in groups or (("bucket.0", slice(0, 2)), ("bucket.1", slice(2, 3))):
             sent = [[(name, t.clone()) for name, t in nm[part]] for nm in named]  # the residuals go into these
             groups, averages = exchange(pipes, key, sent)
             out.append((step, key, groups, averages, [nm[part] for nm in named]))

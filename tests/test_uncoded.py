@@ -8,14 +8,12 @@ import torch
 
 import hvd_terngrad.auto as auto
 from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan
-from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
-from hvd_terngrad.commcost import Link
-from hvd_terngrad.config import TernGradConfig
+from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError
-from hvd_terngrad.pipeline import Pipeline, exchange
 from hvd_terngrad.transports.uncoded import HALF_HEADROOM, absmax, from_half, half_scale, to_half
 from tests.golden import frontends as G
 from tests.mpi_harness import run_ranks
+from tests.test_auto import _steps, _train
 
 
 def test_the_scale_is_a_power_of_two_that_leaves_the_headroom_below_fp16s_range():
@@ -42,17 +40,6 @@ def test_a_scaled_half_keeps_tiny_and_large_gradients_that_a_plain_cast_loses():
     assert absmax(torch.empty(0)) == 0.0
 
 
-def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
-    """As tests.test_auto._steps: one bucket of 10^6 elements, step k taking seconds[k]."""
-    clock = 0.0
-    for took in seconds:
-        clock += took
-        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
-        if p.carrying:
-            p.agree(p.carried())
-        p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
-
-
 def test_the_plan_is_tried_in_fp32_and_in_fp16_and_the_faster_wire_is_kept():
     kinds = {"fp16": (0.008, 0.006), "fp32": (0.006, 0.008), "coded": (0.012, 0.011)}
     for kept, (fp32, fp16) in kinds.items():
@@ -72,32 +59,25 @@ def fp16_untried(monkeypatch):
     monkeypatch.setattr(auto, "WIRES", ("fp16",))
 
 
-def _run(steps, spike=None, nan=None, new_group_at=None, **options):
-    """Groups through 4 loopback ranks on a link where auto sends them uncoded: each step's (step, key, groups,
-    averages, the gradients sent). spike / nan: (step, rank), where t1's element 7 is 10^6 times larger / NaN.
-    new_group_at: from this step on bucket.0 has a third tensor, "new", that was never coded."""
-    n = 4
-    cfg = TernGradConfig(transport="auto", link_gbps=1000.0, **options)
-    pipes = [Pipeline(cfg, c) for c in LoopbackWorld(n).ranks()]
-    out = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        named = [[(f"t{i}", torch.randn(3000 + i, generator=gen) * 10.0 ** -i) for i in range(3)] for _ in range(n)]
-        for fault, value in ((spike, 1e6), (nan, math.nan)):
+def _run(steps, spike=None, nan=None, new_at=None, **options):
+    """tests.test_auto._train on a link where auto sends its groups uncoded, tensor t_i at 10^-i. spike / nan:
+    (step, rank), where t1's element 7 is 10^6 times larger / NaN. new_at: from this step on bucket.0 has a
+    third tensor, "new", that was never coded."""
+    def change(step, named):
+        for nm in named:
+            for i, (_, t) in enumerate(nm):
+                t.mul_(10.0 ** -i)
+        for fault, value in ((spike, None), (nan, math.nan)):
             if fault is not None and fault[0] == step:
                 t = named[fault[1]][1][1]
-                t[7] = value * (t[7] if value == 1e6 else 1.0)
-        grown = new_group_at is not None and step >= new_group_at
-        if grown:
-            for nm in named:
-                nm.insert(2, ("new", nm[0][1] * 3.0))
-        for key, part in (("bucket.0", slice(0, 3 if grown else 2)), ("bucket.1", slice(3 if grown else 2, None))):
-            sent = [[(name, t.clone()) for name, t in nm[part]] for nm in named]
-            groups, averages = exchange(pipes, key, sent)
-            out.append((step, key, groups, averages, [nm[part] for nm in named]))
-        for p in pipes:
-            p.next_step()
-    return pipes, out
+                t[7] = t[7] * 1e6 if value is None else value
+        if new_at is None or step < new_at:
+            return None
+        for nm in named:
+            nm.insert(2, ("new", nm[0][1] * 3.0))
+        return ("bucket.0", slice(0, 3)), ("bucket.1", slice(3, None))
+
+    return _train(1000.0, steps, change=change, **options)
 
 
 def test_an_fp16_average_is_within_its_rounding_of_the_exact_average_and_every_rank_gets_the_same(fp16_untried):
@@ -147,7 +127,7 @@ def test_a_nan_in_an_fp16_group_names_the_tensor_and_the_rank_on_every_rank(fp16
 def test_a_tensor_whose_magnitude_is_not_known_goes_in_fp32_beside_the_group_once_and_is_measured(fp16_untried):
     """"new" joins bucket.0 after the plan: it was never coded, so no rank knows its scale."""
     at = PLAN_STEP + 1
-    pipes, out = _run(at + 2, new_group_at=at)
+    pipes, out = _run(at + 2, new_at=at)
     for step, key, groups, averages, named in out:
         if key != "bucket.0" or step < at:
             continue

@@ -30,11 +30,11 @@ from hvd_terngrad.commcost import allreduce_bytes, allreduce_time
 from hvd_terngrad.finite import nonfinite
 from hvd_terngrad.transports.base import Transport, destination
 
-# How far past its magnitude a rank's values may grow before a 16-bit average overflows: N ranks' values of up to
-# 2 * HALF_HEADROOM times the magnitude still sum below fp16's largest (65504), and values down to about 2^-22 of
-# the magnitude (N = 4; 2^-14 at N = 512) stay normal
+# The room a 16-bit average leaves: the scale puts N * HALF_HEADROOM * magnitude at 2^15 or just under (_HALF_TOP),
+# so N ranks' values of up to 2 * HALF_HEADROOM times the magnitude still sum below fp16's largest (65504), while
+# values down to N * HALF_HEADROOM * 2^-28 of the magnitude (2^-21 at N = 4, 2^-14 at N = 512) stay normal fp16
 HALF_HEADROOM = 32
-_HALF_TOP = 2.0 ** 15  # where N * HALF_HEADROOM * magnitude is put, at most: half of fp16's range
+_HALF_TOP = 2.0 ** 15
 
 
 def half_scale(magnitude: float | None, size: int) -> float | None:
