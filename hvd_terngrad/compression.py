@@ -13,8 +13,9 @@ most timeout_s like every wait of TernGrad's, and decodes the average. compress(
 backward reaches different parameters (Horovod allreduces the missing ones as zeros in synchronize(), after
 backward) would otherwise wait on each other's scaler allreduces inside backward. Small or excluded tensors
 pass through unchanged (plain average), but where transport="auto" keeps fp16 for its uncoded tensors: then
-they go through the pipeline in fp16 with them (Pipeline.float_wire). A sparse gradient (sparse_as_dense=False) never reaches compress():
-Horovod averages it itself and decompress(output, None) returns that average as it is, like Compression.none.
+they go through the pipeline in fp16 with them (Pipeline.float_wire). A sparse gradient (sparse_as_dense=False)
+never reaches compress(): Horovod averages it itself and decompress(output, None) returns that average as it is,
+like Compression.none.
 
 Trade-off against hvd_terngrad.DistributedOptimizer: the stock path shares the scaler and sends the codes
 once per tensor; the hvd_terngrad optimizer does both once per bucket.
