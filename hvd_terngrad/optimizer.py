@@ -111,15 +111,7 @@ class _Uncoded:
         done = self.world.wait_all([f[2] for f in floats] + [h[3] for h in halves],
                                    lambda i: f"the float average of {(floats + halves)[i][0]!r}")
         averages, halved = done[:len(floats)], done[len(floats):]
-        culprit = self._checked(floats, averages)
-        outgrown = []  # the fp16 averages that are not finite: a NaN somewhere, or a gradient past its scale
-        for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved)):
-            m = absmax(avg) / scale
-            if not math.isfinite(m):
-                outgrown.append(i)  # its gradient stays until the ranks have said whose it was
-                continue
-            from_half(avg, scale, out=g)
-            self.coder.magnitudes[name] = m
+        culprit, outgrown = self._checked(floats, averages), self._unscaled(halves, halved)
         ask = culprit if self.on_nonfinite == "raise" else []
         if not (ask or outgrown):
             return bad + [(floats[i][0], -1) for i in culprit]
@@ -154,6 +146,20 @@ class _Uncoded:
                 continue
             culprit.append(i)
         return culprit
+
+    def _unscaled(self, halves: list, halved: list) -> list[int]:
+        """Each finite fp16 average divided into its gradient, its largest |average| the next magnitude; the
+        indices of the others (a NaN somewhere, or a gradient past its scale), whose gradients stay as they were
+        until the ranks have said whose it was."""
+        outgrown = []
+        for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved)):
+            m = absmax(avg) / scale
+            if not math.isfinite(m):
+                outgrown.append(i)
+                continue
+            from_half(avg, scale, out=g)
+            self.coder.magnitudes[name] = m
+        return outgrown
 
     def _redo(self, outgrown: list) -> list[tuple[str, int]]:
         """The (name, gradient) whose fp16 averages outgrew their scale, averaged again in fp32 in place, on every

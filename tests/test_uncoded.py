@@ -215,3 +215,50 @@ def test_every_front_end_averages_in_fp16_where_auto_says_so_and_they_agree(spik
         # two ranks: a + b in fp16 rounds alike in any order, so Horovod's and gloo's fp16 sums agree bit for bit
         assert digests[0] == digests[1] == digests[2]
     assert res[0][0] == res[1][0]
+
+
+def body_optimizer_fp16_faults(on_nonfinite):
+    """hvd_terngrad's optimizer with the plan in force in fp16; at PLAN_STEP + 1 one tensor's gradient on rank 1
+    is NaN. What each rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd_terngrad.auto.TRIAL_STEPS = 0
+    hvd_terngrad.auto.WIRES = ("fp16",)
+    hvd.init()
+    rank = hvd.rank()
+    torch.set_num_threads(1)
+    net = G.Net()
+    at = [0]
+    params = dict(net.named_parameters())
+    params["body.2.weight"].register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, PLAN_STEP + 1) else g)
+    tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0, on_nonfinite=on_nonfinite)
+    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0),
+                                            named_parameters=net.named_parameters(), compression=tg)
+    out = []
+    for step in range(PLAN_STEP + 3):
+        at[0] = step
+        opt.zero_grad()
+        G.loss(net, rank, step).backward()
+        try:
+            opt.synchronize()
+        except NonFiniteGradientError as exc:
+            return str(exc), tg.pipeline.auto.wire
+        finite = all(bool(p.grad.isfinite().all()) for p in net.parameters())
+        out.append((finite, bool(params["body.2.weight"].grad.isnan().all())))
+        if finite:  # as AMP's GradScaler: a step with a non-finite gradient is skipped
+            with opt.skip_synchronize():
+                opt.step()
+    return out, tg.pipeline.auto.wire
+
+
+@pytest.mark.mpi
+def test_a_nan_in_an_fp16_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on():
+    for message, wire in run_ranks("tests.test_uncoded:body_optimizer_fp16_faults", np=2, timeout=120,
+                                   args=("raise",)):
+        assert wire == "fp16" and f"'body.2.weight' on rank 1 at step {PLAN_STEP + 1}" in message, message
+    for steps, wire in run_ranks("tests.test_uncoded:body_optimizer_fp16_faults", np=2, timeout=120,
+                                 args=("propagate",)):
+        assert wire == "fp16"
+        assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
