@@ -6,6 +6,7 @@ them through the collectives; each transport (hvd_terngrad.transports) lays thei
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import hvd_terngrad.codec as codec
 from hvd_terngrad.config import TernGradConfig, payload_tag, tensor_id
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.feedback import ErrorFeedback
+from hvd_terngrad.finite import absmax
 from hvd_terngrad.stats import StatsRecorder
 from hvd_terngrad.wire import BLOCK_SCALER_BYTES, BLOCK_SCALER_LIMIT, SCALER_ENTRY_BYTES, round_block_scalers
 
@@ -67,6 +69,15 @@ class Coder:
         if m is None and self.config.share_scaler:
             m = self.scalers_used.get(name)
         return m
+
+    def measure(self, name: str, average: torch.Tensor, scale: float = 1.0) -> bool:
+        """Whether an uncoded average (at `scale`: transports.uncoded) is finite; if it is, its largest |value|
+        becomes the tensor's magnitude (zero too: such a tensor travels in fp32 next time, and is measured)."""
+        m = absmax(average) / scale
+        if not math.isfinite(m):
+            return False
+        self.magnitudes[name] = m
+        return True
 
     def key(self, item: Item) -> codec.RngKey:
         return codec.RngKey(self.config.seed, self.step & 0xFFFFFFFF, self.rank, item.tid)

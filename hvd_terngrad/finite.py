@@ -26,6 +26,14 @@ def _finite(t: torch.Tensor) -> bool:
     return math.isfinite(total) or bool(torch.isfinite(t).all())
 
 
+def absmax(x: torch.Tensor) -> float:
+    """The largest |x| (NaN where x holds NaN), one pass: aminmax, which carries NaN."""
+    if not x.numel():
+        return 0.0
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi)) if not math.isnan(float(lo)) else math.nan
+
+
 def nonfinite_average(name: str, culprit: int, step: int, rank: int) -> NonFiniteGradientError:
     """The error for a float average (uncoded) that is not finite: every rank raises it in the same step.
     culprit: the rank whose gradient was non-finite, or -1 where none was (finite values whose sum is not)."""

@@ -18,7 +18,6 @@ touch the gradients.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from contextlib import contextmanager
 
@@ -29,7 +28,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
-from hvd_terngrad.transports.uncoded import absmax, from_half, half_scale, to_half
+from hvd_terngrad.transports.uncoded import from_half, half_scale, to_half
 
 
 class _Bucket:
@@ -138,9 +137,7 @@ class _Uncoded:
         culprit = []
         for i, ((name, _, _, measure), avg) in enumerate(zip(floats, averages)):
             if measure:
-                m = absmax(avg)
-                if math.isfinite(m):
-                    self.coder.magnitudes[name] = m
+                if self.coder.measure(name, avg):
                     continue
             elif self.on_nonfinite == "propagate" or not nonfinite([avg]):
                 continue
@@ -153,12 +150,10 @@ class _Uncoded:
         until the ranks have said whose it was."""
         outgrown = []
         for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved)):
-            m = absmax(avg) / scale
-            if not math.isfinite(m):
+            if self.coder.measure(name, avg, scale):
+                from_half(avg, scale, out=g)
+            else:
                 outgrown.append(i)
-                continue
-            from_half(avg, scale, out=g)
-            self.coder.magnitudes[name] = m
         return outgrown
 
     def _redo(self, outgrown: list) -> list[tuple[str, int]]:
@@ -167,15 +162,8 @@ class _Uncoded:
         if not outgrown:
             return []
         handles = [self.world.average_async_(g, name=f"terngrad.fp32.outgrown.{name}") for name, g in outgrown]
-        bad = []
-        for (name, _), avg in zip(outgrown, self.world.wait_all(
-                handles, lambda i: f"the fp32 average of {outgrown[i][0]!r}, which outgrew fp16")):
-            m = absmax(avg)
-            if math.isfinite(m):
-                self.coder.magnitudes[name] = m
-            else:
-                bad.append((name, -1))
-        return bad
+        averages = self.world.wait_all(handles, lambda i: f"the fp32 average of {outgrown[i][0]!r}, which outgrew fp16")
+        return [(name, -1) for (name, _), avg in zip(outgrown, averages) if not self.coder.measure(name, avg)]
 
 
 class _StepProtocol:

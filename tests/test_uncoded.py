@@ -10,7 +10,8 @@ import hvd_terngrad.auto as auto
 from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan
 from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError
-from hvd_terngrad.transports.uncoded import HALF_HEADROOM, absmax, from_half, half_scale, to_half
+from hvd_terngrad.finite import absmax
+from hvd_terngrad.transports.uncoded import HALF_HEADROOM, from_half, half_scale, to_half
 from tests.golden import frontends as G
 from tests.mpi_harness import run_ranks
 from tests.test_auto import _steps, _train

@@ -27,7 +27,7 @@ import math
 import torch
 
 from hvd_terngrad.commcost import allreduce_bytes, allreduce_time
-from hvd_terngrad.finite import nonfinite
+from hvd_terngrad.finite import absmax, nonfinite
 from hvd_terngrad.transports.base import Transport, destination
 
 # The room a 16-bit average leaves: the scale puts N * HALF_HEADROOM * magnitude at 2^15 or just under (_HALF_TOP),
@@ -58,14 +58,6 @@ def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None = None) ->
     """h / scale in fp32 (one pass, exact; into out, of any float dtype)."""
     out = torch.empty(h.shape, dtype=torch.float32, device=h.device) if out is None else out
     return torch.mul(h, _factor(1.0 / scale, h.device), out=out)
-
-
-def absmax(x: torch.Tensor) -> float:
-    """The largest |x| (NaN where x holds NaN), one pass: aminmax, which carries NaN."""
-    if not x.numel():
-        return 0.0
-    lo, hi = torch.aminmax(x)
-    return max(-float(lo), float(hi)) if not math.isnan(float(lo)) else math.nan
 
 
 _FACTORS: dict = {}  # (power of two, device) -> its 1-element fp32 tensor: a step's scales repeat
