@@ -21,7 +21,8 @@ setup(
     ext_modules=[
         Extension(
             "hvd_terngrad._terngrad_cpu",
-            sources=["csrc/terngrad_cpu.cpp", "csrc/terngrad_avx512.cpp", "csrc/terngrad_sums.cpp"],
+            sources=["csrc/terngrad_cpu.cpp", "csrc/terngrad_avx512.cpp", "csrc/terngrad_sums.cpp",
+                     "csrc/terngrad_half.cpp"],
             include_dirs=["csrc"],
             language="c++",
             extra_compile_args=cxx_flags,

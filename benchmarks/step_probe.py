@@ -5,7 +5,9 @@ times: where a front end's own time goes, beside Horovod's and DDP's FP32.
         python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
 
 Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
-tensor left in float, nothing coded (the front end's own cost). Each method trains --steps steps on a fixed
+tensor left in float, nothing coded (the front end's own cost). --uncoded fp32|fp16 puts transport="auto"'s
+plan with every group uncoded in that wire in force from the first planned step, untried (the wire's own
+cost, beside Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed
 batch per rank; the median is over all but the first 50. Rank 0 prints a line per method.
 """
 from __future__ import annotations
@@ -37,14 +39,28 @@ def build(method: str, model, data):
     return model, opt, tg
 
 
+def _force_uncoded(wire: str) -> None:
+    """Every AutoPlan made from now on plans one trial, every group uncoded in `wire`, and keeps it untried."""
+    import hvd_terngrad.auto as auto
+
+    def plan(self, size, link, int8):
+        self.trials, self.times = [(set(), None, wire)], self.times + [[]]
+        self.kept, self.steps = 0, self.verdict_step
+
+    auto.AutoPlan._plan = plan
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="ncf")
     ap.add_argument("--methods", default="fp32,float,terngrad:auto")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)
+    if args.uncoded:
+        _force_uncoded(args.uncoded)
     if args.spin_s is not None:
         import hvd_terngrad.collectives
 

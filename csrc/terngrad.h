@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 4
+#define TG_ABI_VERSION 5
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -88,6 +88,14 @@ int tg_sum_shards(int nranks, const uint8_t* const* shards, int64_t shard_bytes,
 // out = fl32(float(sum) * fl32(scaler / nranks)), the shared-scaler decode.
 int tg_decode_packed_sums(const uint8_t* packed, int nranks, int64_t start, int64_t n, float scaler, float* out,
                           int nthreads);
+
+// The 16-bit wire of an uncoded average (docs/wire-format.md, section 9): out[i] = fp16(fl32(x[i] * scale)),
+// rounded to nearest even with subnormals kept, as torch converts (a NaN stays a NaN; its payload may not).
+int tg_to_half(const float* x, int64_t n, float scale, uint16_t* out, int nthreads);
+
+// And back: *absmax = max |fl32(float(h[i]) * scale)|, NaN where some h[i] is NaN, and where out is not NULL,
+// out[i] = fl32(float(h[i]) * scale); with only_finite, out is written only where *absmax is finite.
+int tg_from_half(const uint16_t* h, int64_t n, float scale, float* out, int only_finite, double* absmax, int nthreads);
 
 // One Philox4x32-10 block, exposed for known-answer tests.
 void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);

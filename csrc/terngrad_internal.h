@@ -2,7 +2,73 @@
 #pragma once
 #include <stdint.h>
 
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
 namespace tg {
+
+// Threads: run f(begin, end) over [0, nitems) split into at most nthreads contiguous ranges.
+template <class F>
+void parallel_for(int64_t nitems, int nthreads, F&& f) {
+  if (nthreads <= 1 || nitems <= 1) {
+    f(int64_t(0), nitems);
+    return;
+  }
+  const int64_t nt = std::min<int64_t>(nthreads, nitems);
+  const int64_t per = (nitems + nt - 1) / nt;
+  std::vector<std::thread> pool;
+  pool.reserve(nt - 1);
+  for (int64_t t = 1; t < nt; ++t) {
+    const int64_t b = t * per, e = std::min(nitems, b + per);
+    if (b >= e) break;
+    pool.emplace_back([&f, b, e] { f(b, e); });
+  }
+  f(int64_t(0), std::min(nitems, per));
+  for (auto& th : pool) th.join();
+}
+
+// fp16 -> fp32, exactly.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: renormalize
+    int e = -1;
+    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// fp32 -> fp16, rounding to nearest even as torch does (c10's fp16_ieee_from_fp32_value), so that sums and
+// differences in that type round as the torch reference's do; F16C's conversion gives the same bits but a NaN's.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN, Inf
+  if (x >= 0x477ff000u) return sign | 0x7c00u;                                 // rounds past 65504: Inf
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; adding 0.5 lets the fp32 adder round it
+    float a;
+    std::memcpy(&a, &x, 4);
+    a += 0.5f;
+    uint32_t ab;
+    std::memcpy(&ab, &a, 4);
+    return sign | (uint16_t)(ab - 0x3f000000u);
+  }
+  const uint32_t odd = (x >> 13) & 1u;
+  return sign | (uint16_t)((x + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13);
+}
 
 // Philox key and counter words of one tensor on one rank in one step (see terngrad.h).
 struct Key {

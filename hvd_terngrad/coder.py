@@ -70,10 +70,17 @@ class Coder:
             m = self.scalers_used.get(name)
         return m
 
-    def measure(self, name: str, average: torch.Tensor, scale: float = 1.0) -> bool:
-        """Whether an uncoded average (at `scale`: transports.uncoded) is finite; if it is, its largest |value|
-        becomes the tensor's magnitude (zero too: such a tensor travels in fp32 next time, and is measured)."""
-        m = absmax(average) / scale
+    def measure(self, name: str, average: torch.Tensor, scale: float | None = None,
+                out: torch.Tensor | None = None) -> bool:
+        """Whether an uncoded average is finite; if it is, its largest |value| becomes the tensor's magnitude
+        (note_magnitude). An fp16 average at `scale` (transports.uncoded) is divided by it on the way, into out
+        where given, which a non-finite average leaves as it was."""
+        m = absmax(average) if scale is None else self.codec.from_half(average, scale, out=out, only_finite=True)
+        return self.note_magnitude(name, m)
+
+    def note_magnitude(self, name: str, m: float) -> bool:
+        """Whether m, the largest |average| of an uncoded average, is finite; if it is, it becomes the tensor's
+        magnitude (zero too: such a tensor travels in fp32 next time, and is measured)."""
         if not math.isfinite(m):
             return False
         self.magnitudes[name] = m

@@ -28,7 +28,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
-from hvd_terngrad.transports.uncoded import from_half, half_scale, to_half
+from hvd_terngrad.transports.uncoded import half_scale
 
 
 class _Bucket:
@@ -67,11 +67,15 @@ class _Uncoded:
     and where none was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its
     largest |average| is its next magnitude; one whose magnitude is not known goes in fp32 and is measured."""
 
-    __slots__ = ("world", "coder", "on_nonfinite", "floats", "halves", "sparse")
+    __slots__ = ("world", "coder", "on_nonfinite", "wires", "floats", "halves", "sparse")
 
-    def __init__(self, world, coder, on_nonfinite: str):
+    def __init__(self, world, coder, on_nonfinite: str, wires: dict):
         self.world, self.coder = world, coder
         self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
+        # param -> the fp16 tensor its average travels in, kept from step to step (the optimizer's): an
+        # allocation costs more than the conversion of a small tensor, and each step's averages are done before
+        # the next step's start
+        self.wires = wires
         # param -> (whether its gradient was non-finite here, the handle of its average, whether it is measured)
         self.floats: dict = {}
         self.halves: dict = {}  # param -> (its gradient, its scale, the handle of its fp16 average)
@@ -83,7 +87,11 @@ class _Uncoded:
             self.send_float(p, name, g, measure=wire == "fp16")
             return
         self.coder.stats.add_float(g.numel() * 2, self.world.size)
-        self.halves[p] = (g, scale, self.world.average_async_(to_half(g, scale), name=f"terngrad.fp16.{name}"))
+        half = self.wires.get(p)
+        if half is None or half.shape != g.shape or half.device != g.device:
+            half = self.wires[p] = torch.empty(g.shape, dtype=torch.float16, device=g.device)
+        self.coder.codec.to_half(g, scale, out=half)
+        self.halves[p] = (g, scale, self.world.average_async_(half, name=f"terngrad.fp16.{name}"))
 
     def send_float(self, p, name: str, g: torch.Tensor, measure: bool = False) -> None:
         self.coder.stats.add_float(g.numel() * g.element_size(), self.world.size)
@@ -125,7 +133,7 @@ class _Uncoded:
         for i, r in zip(outgrown, ranks[len(ask):]):
             name, g, scale, _ = halves[i]
             if r:  # a rank's gradient was not finite: its average is handed on as it is
-                from_half(halved[i], scale, out=g)
+                self.coder.codec.from_half(halved[i], scale, out=g)
                 bad.append((name, int(r) - 1))
             else:
                 redo.append((name, g))
@@ -148,13 +156,8 @@ class _Uncoded:
         """Each finite fp16 average divided into its gradient, its largest |average| the next magnitude; the
         indices of the others (a NaN somewhere, or a gradient past its scale), whose gradients stay as they were
         until the ranks have said whose it was."""
-        outgrown = []
-        for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved)):
-            if self.coder.measure(name, avg, scale):
-                from_half(avg, scale, out=g)
-            else:
-                outgrown.append(i)
-        return outgrown
+        return [i for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved))
+                if not self.coder.measure(name, avg, scale, out=g)]
 
     def _redo(self, outgrown: list) -> list[tuple[str, int]]:
         """The (name, gradient) whose fp16 averages outgrew their scale, averaged again in fp32 in place, on every
@@ -223,6 +226,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._bucket_bytes = bucket_bytes
         self._plan()
 
+        self._half_wires: dict = {}  # param -> its fp16 average's tensor (_Uncoded.wires)
         self._uncoded = self._new_uncoded()
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
@@ -308,7 +312,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._bucket_member_ready(b, p)
 
     def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite)
+        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._half_wires)
 
     def _float_wire(self) -> str:
         """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,

@@ -205,6 +205,57 @@ def test_feedback_rounds_as_torch_across_the_whole_range(dtype, simd):
     assert bool(same.all()), f"{int((~same).sum())} residuals differ"
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 1000, 300_001])
+def test_the_16_bit_wire_gives_torchs_bits_each_way_and_the_largest_value(n, simd):
+    """Codec.to_half and from_half (the fp16 wire of an uncoded average) on the C++ paths against torch's ops:
+    every fp32 bit pattern's product rounded as torch rounds it (subnormal halves, ties, overflow to Inf), and
+    back with the largest |value|, NaN carried, and with only_finite a non-finite average leaving out alone."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(-2**31, 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)  # NaN's payload aside, checked below
+    for scale in (2.0 ** -120, 2.0 ** -20, 1.0, 2.0 ** 30):
+        got = codec.to_half(x, scale, backend="cpu")
+        ref = torch.empty(n, dtype=torch.float16)
+        reference.to_half(x, scale, ref)
+        assert torch.equal(_bits(got), _bits(ref)), scale
+        for only_finite in (False, True):
+            out, ref_out = torch.full((n,), 7.0), torch.full((n,), 7.0)
+            m = codec.from_half(got, scale, out=out, only_finite=only_finite, backend="cpu")
+            assert _same_float(m, reference.from_half(ref, scale, ref_out, only_finite))
+            assert torch.equal(out, ref_out)
+    h = torch.randn(n, generator=gen).half()
+    assert _same_float(codec.from_half(h, 4.0, backend="cpu"), float(h.float().abs().max()) / 4 if n else 0.0)
+    if n:
+        h[n // 2] = math.nan
+        out = torch.full((n,), 7.0)
+        assert math.isnan(codec.from_half(h, 4.0, out=out, only_finite=True, backend="cpu"))
+        assert bool((out == 7.0).all())  # left as it was
+        assert torch.isnan(codec.to_half(torch.tensor([math.nan] * 17), 2.0, backend="cpu")).all()
+
+
+def test_the_16_bit_wire_takes_any_float_gradient_and_rejects_the_wrong_tensors():
+    x = torch.randn(4, 33)
+    for dtype in DTYPES:  # the kernel reads fp32; the others take torch's path, with the same result
+        y = x.to(dtype)
+        assert torch.equal(codec.to_half(y, 8.0), (y.float() * 8).half()), dtype
+    out = torch.empty(4, 33, dtype=torch.float16)
+    assert codec.to_half(x.t(), 2.0, out=out).shape == (4, 33)  # non-contiguous input, made contiguous
+    with pytest.raises(ValueError, match="contiguous fp16 tensor of 132"):
+        codec.to_half(x, 2.0, out=torch.empty(131, dtype=torch.float16))
+    with pytest.raises(ValueError, match="reads a contiguous fp16"):
+        codec.from_half(x, 2.0)
+    with pytest.raises(ValueError, match="out has 131 elements"):
+        codec.from_half(x.half(), 2.0, out=torch.empty(131))
+    h = (x * 2).half()
+    for out in (torch.empty(4, 33, dtype=torch.float64), torch.empty(33, 4).t()):  # another dtype, a strided view
+        assert codec.from_half(h, 2.0, out=out) == float(h.float().abs().max()) / 2
+        assert torch.equal(out, h.to(out.dtype) / 2)
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def test_feedback_argument_errors():
     x = torch.ones(8)
     key = codec.RngKey(0, 0, 0, 0)

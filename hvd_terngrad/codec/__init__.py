@@ -7,6 +7,9 @@ and their block-scaler forms (wire format version 2: one scaler per block of blo
     block_absmax(x, block_size)               -> fp64 max|x| per block
     ternarize_pack_blocks(x, scalers, block_size, key, out=None)
     decode_mean_blocks(codes, scalers, shared, n, block_size)
+and the 16-bit wire of an uncoded average (section 9: transports.uncoded), a power of two each way:
+    to_half(x, scale, out=None)               -> fp16 tensor of x * scale
+    from_half(h, scale, out=None)             -> the largest |h / scale|, and h / scale into out
 Error feedback is fused into the coding (docs/wire-format.md, section 13): moments(x, residual=r) and
 ternarize_pack(..., residual=r, residual_out=r) code x + r without forming it and write the new residual in place.
 
@@ -74,6 +77,9 @@ class Backend(Protocol):
     def decode_mean_blocks(self, codes, scalers, shared: bool, n: int, block: int, out) -> bool: ...
     def sum_shards(self, shards, nranks: int, out) -> bool: ...
     def decode_packed_sums(self, packed, nranks: int, start: int, n: int, scaler: float, out) -> None: ...
+    # x, h and out contiguous and of one size, but of any shape (not made flat: per tensor, a view costs more)
+    def to_half(self, x, scale: float, out) -> None: ...  # out: fp16
+    def from_half(self, h, scale: float, out, only_finite: bool) -> float: ...  # out: any float dtype, or None
 
 
 def _cuda_backend(nthreads):
@@ -296,6 +302,35 @@ class Codec:
         sums = self.decode_packed_sums(packed, nranks, start, n, float(nranks), out=out)
         return scale_blocks_(sums, scalers / nranks, block_size, start=first)  # sums times fl32(N / N) = 1, exact
 
+    # The 16-bit wire of an uncoded average (docs/wire-format.md, section 9).
+    def to_half(self, x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x * scale rounded to fp16 (to nearest even), into out (contiguous, of x's size) where given. scale is a
+        power of two (transports.uncoded.half_scale), so the rounding is all that is lost. (Called per tensor
+        and step: tensors go to the backend as they are, not as flat views, which cost more than a small
+        kernel.)"""
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"to_half converts floating-point tensors (fp32, fp64, fp16, bf16), not {x.dtype}")
+        x = x if x.is_contiguous() else x.contiguous()
+        if out is None:
+            out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        elif out.dtype != torch.float16 or out.numel() != x.numel() or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp16 tensor of {x.numel()} elements")
+        self.impl(x).to_half(x, scale, out)
+        return out
+
+    def from_half(self, h: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  only_finite: bool = False) -> float:
+        """The largest |h / scale| (NaN where h holds a NaN), from one read of h; where out is given, also
+        h / scale into it (exact: a power of two), and with only_finite only where that largest is finite, so
+        that a non-finite average leaves out as it was."""
+        if h.dtype != torch.float16 or not h.is_contiguous():
+            raise ValueError(f"from_half reads a contiguous fp16 tensor, not {h.dtype}")
+        if out is not None and out.numel() != h.numel():
+            raise ValueError(f"out has {out.numel()} elements, the average {h.numel()}")
+        be = self.impl(h)
+        if out is not None and not out.is_contiguous():
+            be = _BACKENDS["reference"](None)
+        return be.from_half(h, scale, out, only_finite)
 
 def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
     """values[i] *= factors[(start + i) // block_size], in place, one fp32 multiply an element: the block
@@ -338,3 +373,5 @@ decode_mean_blocks = _unbound("decode_mean_blocks")
 sum_code_shards = _unbound("sum_code_shards")
 decode_packed_sums = _unbound("decode_packed_sums")
 decode_packed_sums_blocks = _unbound("decode_packed_sums_blocks")
+to_half = _unbound("to_half")
+from_half = _unbound("from_half")

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
+from hvd_terngrad.codec import reference
+
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lib = None
 _error: str | None = None
@@ -64,6 +66,11 @@ def _load():
     lib.tg_sum_shards.restype = ctypes.c_int
     lib.tg_decode_packed_sums.argtypes = [vp, ctypes.c_int, i64, i64, ctypes.c_float, vp, ctypes.c_int]
     lib.tg_decode_packed_sums.restype = ctypes.c_int
+    lib.tg_to_half.argtypes = [vp, i64, ctypes.c_float, vp, ctypes.c_int]
+    lib.tg_to_half.restype = ctypes.c_int
+    lib.tg_from_half.argtypes = [vp, i64, ctypes.c_float, vp, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
+                                 ctypes.c_int]
+    lib.tg_from_half.restype = ctypes.c_int
     lib.tg_philox4x32_10.argtypes = [ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.POINTER(u32)]
     lib.tg_philox4x32_10.restype = None
     if lib.tg_abi_version() != ABI_VERSION:
@@ -207,6 +214,29 @@ def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, sc
     _check(rc, "decode_packed_sums")
 
 
+def _threads_for(n: int) -> int:
+    """default_threads() where the kernel would use them (a tensor of 2^18 elements or more, as csrc's): reading
+    it costs more than the kernel of a small tensor."""
+    return default_threads() if n >= 1 << 18 else 1
+
+
+def to_half(x: torch.Tensor, scale: float, out: torch.Tensor, nthreads: int | None = None) -> None:
+    """out = fp16(x * scale): x contiguous fp32, out contiguous fp16, both on the CPU."""
+    n = x.numel()
+    _check(_lib_or_raise().tg_to_half(x.data_ptr(), n, scale, out.data_ptr(), nthreads or _threads_for(n)), "to_half")
+
+
+def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_finite: bool,
+              nthreads: int | None = None) -> float:
+    """The largest |h * scale| (NaN where h holds one); h * scale into out (contiguous fp32) where given, with
+    only_finite only where that largest is finite."""
+    m = ctypes.c_double()
+    n = h.numel()
+    _check(_lib_or_raise().tg_from_half(h.data_ptr(), n, scale, _ptr(out), int(only_finite), ctypes.byref(m),
+                                        nthreads or _threads_for(n)), "from_half")
+    return m.value
+
+
 def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
     lib = _lib_or_raise()
     c = (ctypes.c_uint32 * 4)(*ctr)
@@ -254,3 +284,13 @@ class CpuBackend:
 
     def decode_packed_sums(self, packed, nranks, start, n, scaler, out):
         decode_packed_sums(packed, nranks, start, n, scaler, out, self.nthreads)
+
+    def to_half(self, x, scale, out):
+        if x.dtype != torch.float32:  # the kernel reads fp32 gradients, by far the usual ones
+            return reference.to_half(x, scale, out)
+        to_half(x, scale, out, self.nthreads)
+
+    def from_half(self, h, scale, out, only_finite):
+        if out is not None and out.dtype != torch.float32:
+            return reference.from_half(h, scale, out, only_finite)
+        return from_half(h, 1.0 / scale, out, only_finite, self.nthreads)

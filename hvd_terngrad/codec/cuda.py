@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hvd_terngrad.codec import reference
+
 try:  # CuPy is optional: everything on the CPU works without it
     import cupy as cp
 except ImportError:  # pragma: no cover - depends on the machine
@@ -217,6 +219,10 @@ class CudaBackend:
 
     def moments_blocks(self, x, block, r=None):
         return moments(x, r), block_absmax(x, block, r)
+
+    # the 16-bit wire: torch's own ops, which run as one kernel each on the GPU
+    to_half = staticmethod(reference.to_half)
+    from_half = staticmethod(reference.from_half)
 
     def decode_mean(self, codes, scalers, shared, n, out):
         w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)

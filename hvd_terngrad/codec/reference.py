@@ -10,6 +10,7 @@ import math
 import torch
 
 import hvd_terngrad.wire as wire
+from hvd_terngrad.finite import absmax
 
 _MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -230,6 +231,35 @@ def decode_sums(sums: torch.Tensor, scaler: float, nranks: int) -> torch.Tensor:
     return sums.to(torch.float32) * (torch.tensor(scaler, dtype=torch.float32) / nranks)
 
 
+def to_half(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out = fp16(x * scale) (section 9): the product in fp32 for fp32 and fp16 gradients (exact for a power of
+    two), rounded once."""
+    torch.mul(x.reshape(out.shape), _factor(scale, x.device) if x.dtype == torch.float16 else scale, out=out)
+
+
+def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_finite: bool) -> float:
+    """The largest |h / scale| (NaN where h holds one); h / scale in fp32 (exact) into out where given, with
+    only_finite only where that largest is finite."""
+    m = absmax(h) / scale  # exact, as the fp32 values are, unless it is past fp32's range, where they are Inf
+    m = math.inf if m > _FP32_MAX else m
+    if out is not None and (math.isfinite(m) or not only_finite):
+        torch.mul(h.reshape(out.shape), _factor(1.0 / scale, h.device), out=out)
+    return m
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_FACTORS: dict = {}  # (power of two, device) -> its 1-element fp32 tensor: a step's scales repeat
+
+
+def _factor(value: float, device) -> torch.Tensor:
+    """value as a 1-element fp32 tensor, not a Python number: it makes the product fp32 whatever the other
+    factor's dtype (fp16 * number stays fp16, where divided values would leave the normal range)."""
+    f = _FACTORS.get((value, device))
+    if f is None:
+        f = _FACTORS[(value, device)] = torch.tensor([value], dtype=torch.float32, device=device)
+    return f
+
+
 class ReferenceBackend:
     """The executable spec as a codec backend (codec.Backend): plain torch on the CPU, results copied out."""
 
@@ -279,3 +309,6 @@ class ReferenceBackend:
         bits = wire.sum_bits(nranks)
         lo, hi = start * bits // 8, ((start + n) * bits + 7) // 8
         out.copy_(decode_sums(unpack_sums(packed[lo:hi], nranks)[: n], scaler, nranks))
+
+    to_half = staticmethod(to_half)
+    from_half = staticmethod(from_half)

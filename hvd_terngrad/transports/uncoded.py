@@ -12,7 +12,8 @@ as DDP's own allreduce does; any other is copied into one tensor first. In place
 before the average (one read); a copy can be checked after, in a bad step only.
 
 fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and
-divided by it after, both exact (half_scale). The scale comes from the tensor's magnitude, which every rank
+divided by it after, both exact (half_scale), each way one pass of the codec (Codec.to_half, Codec.from_half,
+which also finds the largest |value|). The scale comes from the tensor's magnitude, which every rank
 knows alike: its shared scaler where it was last coded, else the largest |average| of its last 16-bit average
 (Coder.magnitude). A tensor whose magnitude is not known yet, or is zero, goes beside them in an fp32 average,
 which measures it. The average is a copy, so the rank's gradient stays for a second look: where an average is
@@ -47,40 +48,16 @@ def half_scale(magnitude: float | None, size: int) -> float | None:
     return math.ldexp(1.0, max(-120, min(120, e)))  # within fp32's normal range, and its inverse too
 
 
-def to_half(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x * scale rounded to fp16 (one pass; the product in x's dtype, fp32 for fp16's, exact for a power of
-    two)."""
-    out = torch.empty(x.shape, dtype=torch.float16, device=x.device) if out is None else out
-    return torch.mul(x, _factor(scale, x.device) if x.dtype == torch.float16 else scale, out=out)
-
-
-def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """h / scale in fp32 (one pass, exact; into out, of any float dtype)."""
-    out = torch.empty(h.shape, dtype=torch.float32, device=h.device) if out is None else out
-    return torch.mul(h, _factor(1.0 / scale, h.device), out=out)
-
-
-_FACTORS: dict = {}  # (power of two, device) -> its 1-element fp32 tensor: a step's scales repeat
-
-
-def _factor(value: float, device) -> torch.Tensor:
-    """value as a 1-element fp32 tensor, not a Python number: it makes the product fp32 whatever the other
-    factor's dtype (fp16 * number stays fp16, where divided values would leave the normal range)."""
-    f = _FACTORS.get((value, device))
-    if f is None:
-        f = _FACTORS[(value, device)] = torch.tensor([value], dtype=torch.float32, device=device)
-    return f
-
-
 class _Sending:
     """An uncoded group in flight: its averages, then (only if one is not finite) which ranks were non-finite,
     then (fp16, only where no rank was) the fp32 average of the tensors that outgrew their scale."""
 
-    __slots__ = ("items", "rank", "key", "scales", "averages", "whole", "parts", "absmax", "bad", "mine", "flags",
-                 "redone", "done")
+    __slots__ = ("items", "rank", "key", "codec", "scales", "averages", "whole", "parts", "absmax", "bad", "mine",
+                 "flags", "redone", "done")
 
-    def __init__(self, items, rank: int, key: str, scales, mine):
+    def __init__(self, items, rank: int, key: str, codec, scales, mine):
         self.items, self.rank, self.key = items, rank, key
+        self.codec = codec  # the coder's, which reads the fp16 averages back
         self.scales = scales  # fp16: each item's power of two (half_scale), None where it travels in fp32
         self.averages: list = []  # the allreduces in flight: (handle, the indices of the items it averages)
         self.whole: torch.Tensor | None = None  # the last average received, whole
@@ -116,13 +93,13 @@ class Uncoded(Transport):
             off = 0
             for i in known:
                 it = items[i]
-                to_half(it.flat.reshape(-1), scales[i], out=values[off: off + it.numel])
+                coder.codec.to_half(it.flat, scales[i], out=values[off: off + it.numel])
                 off += it.numel
                 coder.stats.add_float(it.numel * 2, coder.size)
             unknown = [i for i, s in enumerate(scales) if s is None]
             for i in unknown:
                 coder.stats.add_float(items[i].numel * 4, coder.size)
-            return [(values, known), (_fp32_copy(items, unknown), unknown)], items, coder.rank, None, scales
+            return [(values, known), (_fp32_copy(items, unknown), unknown)], items, coder, None, scales
         for it in items:
             coder.stats.add_float(it.numel * 4, coder.size)
         values = _span(items)
@@ -131,11 +108,11 @@ class Uncoded(Transport):
             values = _fp32_copy(items, range(len(items)))
         elif nonfinite([values]):
             flags = _nonfinite(items, coder.rank)
-        return [(values, list(range(len(items))))], items, coder.rank, flags, None
+        return [(values, list(range(len(items))))], items, coder, flags, None
 
     def start(self, comm, payload, key):
-        parts, items, rank, flags, scales = payload
-        h = _Sending(items, rank, key, scales, flags)
+        parts, items, coder, flags, scales = payload
+        h = _Sending(items, coder.rank, key, coder.codec, scales, flags)
         for (values, idx), name in zip(parts, (f"terngrad.{self.name}.{key}", f"terngrad.fp32.measured.{key}")):
             if idx:
                 h.averages.append((comm.average_async_(values, name=name), idx))
@@ -192,7 +169,7 @@ class Uncoded(Transport):
             # one sum over the whole average first: a finite step costs no more (fp32 has one average)
             return nonfinite([h.parts[i] for i in range(len(h.items))]) if nonfinite([h.whole]) else []
         for i in range(len(h.items)):
-            h.absmax[i] = absmax(h.parts[i]) / (h.scales[i] if self._scaled(h, i) else 1.0)
+            h.absmax[i] = h.codec.from_half(h.parts[i], h.scales[i]) if self._scaled(h, i) else absmax(h.parts[i])
         return [i for i, m in h.absmax.items() if not math.isfinite(m)]
 
     def finish(self, comm, handle, what):
@@ -209,13 +186,14 @@ class Uncoded(Transport):
         for i, it in enumerate(items):
             dst, part = destination(outs, i), h.parts[i]
             if part.dtype == torch.float16:
-                part = from_half(part, h.scales[i], out=dst)
+                dst = torch.empty(part.shape, dtype=torch.float32, device=part.device) if dst is None else dst
+                coder.codec.from_half(part, h.scales[i], out=dst)
+                part = dst
             elif dst is not None and dst.data_ptr() != part.data_ptr():
                 dst.copy_(part)
             out.append(part if dst is None else dst)
-            m = h.absmax.get(i)
-            if m is not None and math.isfinite(m):
-                coder.magnitudes[it.name] = m
+            if i in h.absmax:
+                coder.note_magnitude(it.name, h.absmax[i])
         return out
 
     def submitted_bytes(self, numel, tensors):

@@ -1,0 +1,182 @@
+// The 16-bit wire of an uncoded average (docs/wire-format.md, section 9; hvd_terngrad/transports/uncoded.py):
+// a gradient times a power of two, rounded to fp16, and the average back in fp32 with its largest |value|.
+//
+// torch does the way out in one op and the way back in two (a multiply, then aminmax and two reads), but its
+// multiply into another dtype costs three times a plain conversion, and each op costs microseconds of dispatch
+// whatever the tensor's size. These do each way in one pass and one call: F16C's conversions (round to nearest
+// even, subnormals kept) on AVX-512 and AVX2, and the scalar conversions of torch elsewhere and for tails. All
+// paths give the same bits, a NaN's payload aside (tests/test_codec.py compares them with torch's).
+#include "terngrad.h"
+#include "terngrad_internal.h"
+
+#include <cmath>
+
+#if defined(__x86_64__) || defined(__i386__)
+// GCC 12 warns inside its own avx512fintrin.h (_mm512_undefined_* in inlined intrinsics): a known false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+#define TG_X86 1
+#define TG_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#else
+#define TG_X86 0
+#endif
+
+namespace {
+
+// The largest |value| so far and whether a NaN was seen (max ignores NaN: it is carried apart).
+struct Largest {
+  float m = 0.0f;
+  bool nan = false;
+  void add(const Largest& o) {
+    m = std::max(m, o.m);
+    nan = nan || o.nan;
+  }
+};
+
+void to_half_scalar(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
+  for (int64_t i = b; i < e; ++i) out[i] = tg::float_to_half(x[i] * scale);
+}
+
+template <bool kWrite>
+void from_half_scalar(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
+  for (int64_t i = b; i < e; ++i) {
+    const float v = tg::half_to_float(h[i]) * scale;
+    if (kWrite) out[i] = v;
+    if (std::isnan(v)) acc.nan = true;
+    else acc.m = std::max(acc.m, std::fabs(v));
+  }
+}
+
+#if TG_X86
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+TG_AVX2 int64_t to_half_avx2(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), kRound));
+  return i;  // the tail is the scalar path's
+}
+
+template <bool kWrite>
+TG_AVX2 int64_t from_half_avx2(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
+  const __m256 s = _mm256_set1_ps(scale), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top = _mm256_setzero_ps();
+  int nan = 0;
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))), s);
+    if (kWrite) _mm256_storeu_ps(out + i, v);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));  // a NaN lane keeps the earlier largest
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  for (float l : lanes) acc.m = std::max(acc.m, l);
+  acc.nan = acc.nan || nan;
+  return i;
+}
+
+TG_AVX512 void to_half_avx512(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), kRound));
+  if (i < e) {
+    const __mmask16 m = (__mmask16)((1u << (e - i)) - 1);
+    _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s), kRound));
+  }
+}
+
+template <bool kWrite>
+TG_AVX512 void from_half_avx512(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
+  const __m512 s = _mm512_set1_ps(scale);
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = e - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e - i)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + i)), s);  // masked lanes: 0
+    if (kWrite) _mm512_mask_storeu_ps(out + i, m, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+  }
+  acc.m = std::max(acc.m, _mm512_reduce_max_ps(top));
+  acc.nan = acc.nan || nan;
+}
+#endif
+
+// Ranges of whole 64-element runs, threads only where a tensor is large enough to pay for them (as the codec's).
+constexpr int64_t kRun = 64;
+
+int threads_for(int64_t n, int nthreads) { return n >= (int64_t(1) << 18) ? nthreads : 1; }
+
+void to_half_range(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
+  const int level = tg_simd_level();
+#if TG_X86
+  if (level >= 3) return to_half_avx512(x, b, e, scale, out);
+  if (level >= 2) b = to_half_avx2(x, b, e, scale, out);
+#else
+  (void)level;
+#endif
+  to_half_scalar(x, b, e, scale, out);
+}
+
+template <bool kWrite>
+Largest from_half_range(const uint16_t* h, int64_t b, int64_t e, float scale, float* out) {
+  Largest acc;
+  const int level = tg_simd_level();
+#if TG_X86
+  if (level >= 3) {
+    from_half_avx512<kWrite>(h, b, e, scale, out, acc);
+    return acc;
+  }
+  if (level >= 2) b = from_half_avx2<kWrite>(h, b, e, scale, out, acc);
+#else
+  (void)level;
+#endif
+  from_half_scalar<kWrite>(h, b, e, scale, out, acc);
+  return acc;
+}
+
+template <bool kWrite>
+Largest from_half_all(const uint16_t* h, int64_t n, float scale, float* out, int nthreads) {
+  const int64_t runs = (n + kRun - 1) / kRun;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads_for(n, nthreads), runs));
+  const int64_t per = (runs + nt - 1) / nt;  // parallel_for's ranges: range k starts at k * per
+  std::vector<Largest> part(nt);
+  tg::parallel_for(runs, (int)nt, [&](int64_t rb, int64_t re) {
+    part[rb / per] = from_half_range<kWrite>(h, rb * kRun, std::min(n, re * kRun), scale, out);
+  });
+  Largest all;
+  for (const Largest& p : part) all.add(p);
+  return all;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tg_to_half(const float* x, int64_t n, float scale, uint16_t* out, int nthreads) {
+  if (n < 0 || (n > 0 && (!x || !out))) return TG_EINVAL;
+  const int64_t runs = (n + kRun - 1) / kRun;
+  tg::parallel_for(runs, threads_for(n, nthreads), [&](int64_t rb, int64_t re) {
+    to_half_range(x, rb * kRun, std::min(n, re * kRun), scale, out);
+  });
+  return TG_OK;
+}
+
+int tg_from_half(const uint16_t* h, int64_t n, float scale, float* out, int only_finite, double* absmax, int nthreads) {
+  if (n < 0 || !absmax || (n > 0 && !h)) return TG_EINVAL;
+  // only_finite: the largest first, then (finite) the values; the second read of h is in cache for the
+  // tensors of a step, and a non-finite average leaves `out` as it was, for the caller to look at again
+  const bool write = out && !only_finite;
+  Largest all = write ? from_half_all<true>(h, n, scale, out, nthreads) : from_half_all<false>(h, n, scale, out, nthreads);
+  *absmax = all.nan ? std::nan("") : (double)all.m;
+  if (out && only_finite && std::isfinite(*absmax)) from_half_all<true>(h, n, scale, out, nthreads);
+  return TG_OK;
+}
+
+}  // extern "C"
