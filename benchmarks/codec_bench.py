@@ -12,6 +12,9 @@ A second table times what the recommended configuration adds, one tensor through
 scalers, codes, residual) as the pipeline runs it: the paper's defaults, block scalers (64), error feedback,
 and both (TernGradConfig.recommended()); the fused error-feedback kernel alone against ternarize_pack; and
 error feedback written in torch ops around the plain kernels (how it was done before the fused kernels).
+A third times the 16-bit wire of an uncoded average (transport="auto"'s fp16 plans, docs/wire-format.md section 9),
+one tensor each way: the codec's pass (Codec.to_half; Codec.from_half, which takes the largest |value| too)
+against the same in torch ops (a multiply into fp16; a multiply back and aminmax), beside Horovod's plain casts.
 With a CUDA device (and CuPy) a GPU section adds the device-to-device copy and checks CPU/GPU bit identity.
 """
 from __future__ import annotations
@@ -191,6 +194,28 @@ def feedback_rows(n: int, threads: list[int]) -> list[dict]:
     return rows
 
 
+def half_rows(n: int, threads: list[int]) -> list[dict]:
+    """Seconds per tensor of n fp32 elements on the 16-bit wire, each way: the kernels, torch's ops, the casts."""
+    from hvd_terngrad.codec import reference
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.01
+    h, back = torch.empty(n, dtype=torch.float16), torch.empty(n)
+    avg = (x * 2.0 ** 20).half()
+    rows = []
+    for nt in threads:
+        torch.set_num_threads(nt)
+        c = codec.Codec("cpu", nt)
+        rows.append({"n": n, "threads": nt,
+                     "to_half": timeit(lambda c=c: c.to_half(x, 2.0 ** 20, out=h)),
+                     "to_half_torch": timeit(lambda: reference.to_half(x, 2.0 ** 20, h)),
+                     "cast_half": timeit(lambda: x.half()),
+                     "from_half": timeit(lambda c=c: c.from_half(avg, 2.0 ** 20, out=back, only_finite=True)),
+                     "from_half_torch": timeit(lambda: reference.from_half(avg, 2.0 ** 20, back, True)),
+                     "cast_float": timeit(lambda: avg.float())})
+    torch.set_num_threads(max(threads))
+    return rows
+
+
 def gpu_row(n: int) -> dict:
     x = torch.randn(n, device="cuda") * 0.01
     y = torch.empty_like(x)
@@ -268,6 +293,18 @@ def main(argv=None):
     fb_rows = _table(("| n | threads | memcpy 1t | paper | block 64 | EF | EF unfused | recommended | EF/paper | "
                       "recommended/block 64 | kernel: ternarize | ternarize+EF | EF cost |"), feedback_rows, sizes,
                      threads, feedback_line)
+    print("\nThe 16-bit wire of an uncoded average: ms per tensor of n fp32 elements, each way; 'torch' is the "
+          "same in torch ops,\n'cast' Horovod's Compression.fp16 (a plain cast, no scale and no largest value)\n")
+
+    def half_line(r):
+        ms = {k: 1e3 * v for k, v in r.items() if k not in ("n", "threads")}
+        return (f"| {fmt_size(r['n'])} | {r['threads']} | {ms['to_half']:.3f} | {ms['to_half_torch']:.3f} | "
+                f"{ms['cast_half']:.3f} | {ms['from_half']:.3f} | {ms['from_half_torch']:.3f} | "
+                f"{ms['cast_float']:.3f} | "
+                f"{r['to_half_torch'] / r['to_half']:.1f}x | {r['from_half_torch'] / r['from_half']:.1f}x |")
+
+    half = _table(("| n | threads | to fp16 | torch | cast | back, with the largest | torch | cast | to: torch/ours | "
+                   "back: torch/ours |"), half_rows, sizes, threads, half_line)
     g = gpu_rows(sizes)
     if g:
         print(f"\nGPU: {g[0]['device']}")
@@ -281,7 +318,7 @@ def main(argv=None):
         print("\nGPU: no CUDA device with CuPy here; the GPU rows need a machine with one.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": rows, "feedback_seconds": fb_rows, "gpu": g}, f, indent=1)
+            json.dump({"cpu": rows, "feedback_seconds": fb_rows, "half_seconds": half, "gpu": g}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -108,10 +108,11 @@ TG_AVX512 void from_half_avx512(const uint16_t* h, int64_t b, int64_t e, float s
 }
 #endif
 
-// Ranges of whole 64-element runs, threads only where a tensor is large enough to pay for them (as the codec's).
+// Ranges of whole 64-element runs; threads only from 2^22 elements: a conversion is one light pass, and below that
+// starting threads costs more than they save (measured: benchmarks/codec_bench.py, the third table).
 constexpr int64_t kRun = 64;
 
-int threads_for(int64_t n, int nthreads) { return n >= (int64_t(1) << 18) ? nthreads : 1; }
+int threads_for(int64_t n, int nthreads) { return n >= (int64_t(1) << 22) ? nthreads : 1; }
 
 void to_half_range(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
   const int level = tg_simd_level();

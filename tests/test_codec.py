@@ -205,7 +205,7 @@ def test_feedback_rounds_as_torch_across_the_whole_range(dtype, simd):
     assert bool(same.all()), f"{int((~same).sum())} residuals differ"
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 1000, 300_001])
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 1000, 300_001, (1 << 22) + 5])
 def test_the_16_bit_wire_gives_torchs_bits_each_way_and_the_largest_value(n, simd):
     """Codec.to_half and from_half (the fp16 wire of an uncoded average) on the C++ paths against torch's ops:
     every fp32 bit pattern's product rounded as torch rounds it (subnormal halves, ties, overflow to Inf), and
@@ -432,7 +432,8 @@ def test_nvrtc_check_fails_on_what_only_nvcc_accepts():
 
 
 def test_codec_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/codec_bench.py at a small size: both tables come out, error feedback's among them."""
+    """benchmarks/codec_bench.py at a small size: its tables come out, error feedback's and the fp16 wire's among
+    them."""
     from benchmarks import codec_bench
 
     codec_bench.main(["--sizes", "8192", "--threads", "1", "--json", str(tmp_path / "bench.json")])
@@ -440,4 +441,5 @@ def test_codec_benchmark_smoke(tmp_path, capsys):
     assert len(out["cpu"]) == 1 and out["cpu"][0]["encode"] > 0
     fb = out["feedback_seconds"][0]
     assert all(fb[k] > 0 for k in ("encode_paper", "encode_recommended", "ternarize", "ternarize_feedback"))
+    assert all(out["half_seconds"][0][k] > 0 for k in ("to_half", "to_half_torch", "from_half", "from_half_torch"))
     assert "EF cost" in capsys.readouterr().out

@@ -215,9 +215,9 @@ def decode_packed_sums(packed: torch.Tensor, nranks: int, start: int, n: int, sc
 
 
 def _threads_for(n: int) -> int:
-    """default_threads() where the kernel would use them (a tensor of 2^18 elements or more, as csrc's): reading
-    it costs more than the kernel of a small tensor."""
-    return default_threads() if n >= 1 << 18 else 1
+    """default_threads() where the fp16 wire's kernels would use them (2^22 elements or more: csrc/terngrad_half.cpp);
+    reading it costs more than the kernel of a small tensor."""
+    return default_threads() if n >= 1 << 22 else 1
 
 
 def to_half(x: torch.Tensor, scale: float, out: torch.Tensor, nthreads: int | None = None) -> None:
