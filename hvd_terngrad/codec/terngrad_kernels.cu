@@ -21,7 +21,7 @@ __device__ __forceinline__ void tg_philox(unsigned int c[4], unsigned int k0, un
   }
 }
 
-// A copy of csrc/terngrad_cpu.cpp's half_to_float, on purpose: NVRTC compiles this file alone, without
+// A copy of csrc/terngrad_internal.h's half_to_float, on purpose: NVRTC compiles this file alone, without
 // host headers, so the two cannot share a header; the golden vectors hold both to the same bits.
 __device__ __forceinline__ float tg_half_to_float(unsigned short h) {
   const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
