@@ -77,7 +77,8 @@ class Backend(Protocol):
     def decode_mean_blocks(self, codes, scalers, shared: bool, n: int, block: int, out) -> bool: ...
     def sum_shards(self, shards, nranks: int, out) -> bool: ...
     def decode_packed_sums(self, packed, nranks: int, start: int, n: int, scaler: float, out) -> None: ...
-    # x, h and out contiguous and of one size, but of any shape (not made flat: per tensor, a view costs more)
+    # x and h contiguous, out of their size (from_half's: of any layout), any shape (not made flat: per tensor, a
+    # view costs more than a small kernel)
     def to_half(self, x, scale: float, out) -> None: ...  # out: fp16
     def from_half(self, h, scale: float, out, only_finite: bool) -> float: ...  # out: any float dtype, or None
 
@@ -327,10 +328,8 @@ class Codec:
             raise ValueError(f"from_half reads a contiguous fp16 tensor, not {h.dtype}")
         if out is not None and out.numel() != h.numel():
             raise ValueError(f"out has {out.numel()} elements, the average {h.numel()}")
-        be = self.impl(h)
-        if out is not None and not out.is_contiguous():
-            be = _BACKENDS["reference"](None)
-        return be.from_half(h, scale, out, only_finite)
+        return self.impl(h).from_half(h, scale, out, only_finite)
+
 
 def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
     """values[i] *= factors[(start + i) // block_size], in place, one fp32 multiply an element: the block

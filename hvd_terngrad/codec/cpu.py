@@ -291,6 +291,6 @@ class CpuBackend:
         to_half(x, scale, out, self.nthreads)
 
     def from_half(self, h, scale, out, only_finite):
-        if out is not None and out.dtype != torch.float32:
+        if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()):  # the kernel writes these
             return reference.from_half(h, scale, out, only_finite)
         return from_half(h, 1.0 / scale, out, only_finite, self.nthreads)
