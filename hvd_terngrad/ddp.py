@@ -184,8 +184,6 @@ class TernGradState:
         summed = dist.all_reduce(buf, group=self.world.group, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
         what = f"the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more)"
-        if not last:
-            self._sums.append(summed)
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
             try:
@@ -205,8 +203,10 @@ class TernGradState:
                     named[i][1].fill_(float("nan"))
             return buf
 
-        if not last:
-            return summed.then(finish)
+        if not last:  # the step's last bucket waits for this callback, not for the allreduce alone (_after_averages)
+            done = summed.then(finish)
+            self._sums.append(done)
+            return done
 
         def finish_last(fut: torch.futures.Future) -> torch.Tensor:
             try:
@@ -218,12 +218,16 @@ class TernGradState:
 
     def _after_averages(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
         """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
-        _average_now started this step has, and raising the first bucket's non-finite average held there."""
+        _average_now started this step has, and raising the first bucket's non-finite average held there.
+
+        It collects each earlier average's callback (its finish), not its allreduce: a callback that a future
+        runs on completion may still be running, or waiting for the GIL, on gloo's thread when a later hook adds
+        another callback to the same future, which then runs at once. Collecting the allreduces, the step's last
+        bucket ended before the earlier finish had held its error, and a NaN step went on unraised."""
         sums, held, self._sums, self._nonfinite = self._sums, self._nonfinite, [], []
 
         def finish_step(_) -> torch.Tensor:
-            # every earlier bucket's finish has run: each ran on its allreduce's completion, before collect_all's
-            value = finish(last)
+            value = finish(last)  # every earlier bucket's finish has run: collect_all waited for them
             if held:  # the last bucket's own, if it was averaged here, among them
                 raise min(held, key=lambda h: h[0])[1]  # the first bucket's, as DDP would have met it
             return value

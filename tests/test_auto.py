@@ -247,25 +247,30 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     averages itself; two steps after the plan, rank 1 has a NaN gradient ("nan", where it starts the step's
     later buckets late_s late) or stops before its backward ("stuck"). layout: several fp32 buckets, one, or
     "bf16_last" (one fp32 bucket with a NaN in one tensor, then a finite bfloat16 one, which the worker
-    averages). What each rank's backward raised, and at which step; the training then tears its process group
+    averages), or "bf16_last_slow": that, with the fp32 average's callback slow (0.3 s) and the bfloat16
+    bucket's hook late (0.1 s), so that the later hook meets a completed allreduce whose callback is still
+    running. What each rank's backward raised, and at which step; the training then tears its process group
     down at once, as a user's loop would."""
     import time
 
-    import hvd_terngrad
-    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    import hvd_terngrad.ddp
+    from hvd_terngrad.ddp import TernGradState
     from tests.test_ddp import _close_gloo, _init_gloo
 
     hvd_terngrad.auto.TRIAL_STEPS = 0
     rank = _init_gloo(port)
     torch.set_num_threads(1)
-    model = G.Net() if layout != "bf16_last" else _WithBf16Scale()
+    bf16 = layout.startswith("bf16_last")
+    if layout == "bf16_last_slow":
+        _slow_average_callbacks(0.3, 0.1)
+    model = G.Net() if not bf16 else _WithBf16Scale()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if layout == "buckets" else 25)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
                           on_nonfinite="propagate" if fault == "propagate" else "raise")
     at = [0]  # the step the loop is at
-    if layout == "bf16_last" and rank == 1:  # a NaN in one fp32 tensor only: the bf16 bucket stays finite
+    if bf16 and rank == 1:  # a NaN in one fp32 tensor only: the bf16 bucket stays finite
         model.net.body[4].weight.register_hook(lambda g: g * float("nan") if at[0] == PLAN_STEP + 1 else g)
-    ddp.register_comm_hook(state, terngrad_hook)
+    ddp.register_comm_hook(state, hvd_terngrad.ddp.terngrad_hook)  # as _slow_average_callbacks left it
     if late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
         average_now = TernGradState._average_now
 
@@ -282,7 +287,7 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
         if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
             time.sleep(60)
         try:
-            nan = (rank, step) == (1, PLAN_STEP + 1) and layout != "bf16_last"
+            nan = (rank, step) == (1, PLAN_STEP + 1) and not bf16
             (loss * (float("nan") if nan else 1.0)).backward()
             if fault == "propagate":  # per step: whether every gradient is all NaN, or all finite
                 grads = [p.grad for p in model.parameters()]
@@ -299,16 +304,42 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     return out
 
 
+def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
+    """The hook's own fp32 averages finish callback_s late on gloo's thread (their finiteness check there), and
+    a bfloat16 bucket's hook starts bf16_hook_s late."""
+    import threading
+    import time
+
+    import hvd_terngrad.ddp as ddp
+
+    check, hook = ddp.nonfinite, ddp.terngrad_hook
+
+    def slow_check(tensors):
+        if threading.current_thread() is not threading.main_thread():  # gloo's callback thread
+            time.sleep(callback_s)
+        return check(tensors)
+
+    def late_hook(state, bucket):
+        if bucket.buffer().dtype == torch.bfloat16:
+            time.sleep(bf16_hook_s)
+        return hook(state, bucket)
+
+    ddp.nonfinite, ddp.terngrad_hook = slow_check, late_hook
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("port,late_s,layout", [(29693, 0.0, "buckets"), (29699, 2.0, "buckets"),
-                                                (29701, 0.0, "one_bucket"), (29703, 0.0, "bf16_last")],
-                         ids=["together", "late_rank", "one_bucket", "bf16_last"])
+                                                (29701, 0.0, "one_bucket"), (29703, 0.0, "bf16_last"),
+                                                (29709, 0.0, "bf16_last_slow")],
+                         ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback"])
 def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout):
     """The error leaves with the step's last bucket, whichever way that went. late_rank: raised from the first,
     it let rank 0 tear its group down under rank 1's later allreduces, and rank 1 aborted ("Resource deadlock
-    avoided", 6 runs of 10)."""
+    avoided", 6 runs of 10). bf16_last_slow_callback: the last bucket waited for the earlier allreduce, not for
+    its callback, and the NaN step went on unraised (every run; once in a loaded test run without the delays)."""
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
                         args=(port, "nan", late_s, layout))
+    assert None not in results, f"a rank trained through the NaN step without raising: {results}"
     for step, message in results:
         assert step == PLAN_STEP + 1
         assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}, averaged uncoded" in message, \
