@@ -41,6 +41,7 @@ import datetime
 import queue
 import threading
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -71,7 +72,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_group", "_kinds", "_held", "_sums", "_nonfinite")
+                 "_group", "_kinds", "_held", "_sums", "_nonfinite", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -144,6 +145,11 @@ class TernGradState:
             (coded if kind[1] else floats).append((kind[0], grad))
         return coded, floats
 
+    def _named(self, bucket: dist.GradBucket) -> list:
+        """The bucket's gradients as (name, view of the buffer), coded or not."""
+        coded, floats = self._split(bucket)
+        return coded + floats
+
     def _kind(self, p) -> tuple:
         """(p's name, whether it is coded): config.compresses matches names against patterns."""
         name = self.names.get(p)
@@ -173,28 +179,41 @@ class TernGradState:
         bucket, it let DDP end the step while this rank's later allreduces, or a late peer's, were in flight,
         and a training loop that then tore its process group down aborted a process ("Resource deadlock
         avoided": the group destroyed on its own gloo thread). A failed allreduce is raised at once."""
-        pipe, me, size = self.pipeline, self.world.rank, self.world.size
-        coded, floats = self._split(bucket)
-        for name, grad in coded:
-            pipe.coder.merge_residual(name, grad)
-        named, buf = coded + floats, bucket.buffer()
-        mine = mark([grad for _, grad in named], me) if nonfinite([buf]) else []
-        for _, grad in named:
-            pipe.stats.add_float(grad.numel() * 4, size)
+        pipe, me, size, buf = self.pipeline, self.world.rank, self.world.size, bucket.buffer()
+        named = None  # the gradients as (name, view of buf), where this step needs them: _split costs a view each
+        if pipe.coder.feedback.worker:  # residuals kept from the coded steps, merged once
+            coded, floats = self._split(bucket)
+            for name, grad in coded:
+                pipe.coder.merge_residual(name, grad)
+            named = coded + floats
+        mine = []
+        if nonfinite([buf]):
+            named = named or self._named(bucket)
+            mine = mark([grad for _, grad in named], me)
+        pipe.stats.add_float(buf.numel() * 4, size, tensors=len(bucket.parameters()))
         summed = dist.all_reduce(buf, group=self.world.group, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
-        what = f"the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more)"
+        # The callbacks below hold this state weakly: gloo's thread lets go of a callback after it ran, maybe after
+        # the training has gone on and torn its process groups down, and the last reference to the state's group
+        # must not go there (a process group destroyed on its own thread aborts the process: "Resource deadlock
+        # avoided"). DDP holds the state while its buckets are in flight.
+        state, propagate = weakref.ref(self), self.config.on_nonfinite == "propagate"
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
+            nonlocal named
             try:
                 fut.value()
             except RuntimeError as exc:
-                raise CollectiveTimeoutError(f"hvd_terngrad: {what} failed on rank {me} at step {step} (a rank that "
-                                             f"never joined fails it after timeout_s): {exc}") from None
+                named = named or state()._named(bucket)
+                raise CollectiveTimeoutError(
+                    f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
+                    f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
+                    f"timeout_s): {exc}") from None
             buf.div_(size)
             if nonfinite([buf]):
+                named = named or state()._named(bucket)
                 bad = nonfinite([grad for _, grad in named])
-                if self.config.on_nonfinite != "propagate":
+                if not propagate:
                     first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
                     culprit = marked_rank(named[first][1], size)
                     held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
@@ -212,7 +231,7 @@ class TernGradState:
             try:
                 return finish(fut)
             finally:
-                pipe.next_step()
+                state().pipeline.next_step()
 
         return self._after_averages(summed, finish_last)
 

@@ -56,9 +56,10 @@ class StatsRecorder:
             del self.history[: len(self.history) - self._keep]
         self.current = StepStats(step=next_step)
 
-    def add_float(self, nbytes: int, nranks: int) -> None:
+    def add_float(self, nbytes: int, nranks: int, tensors: int = 1) -> None:
+        """`tensors` tensors of `nbytes` in all, averaged uncoded."""
         c = self.current
-        c.tensors_float += 1
+        c.tensors_float += tensors
         c.bytes_sent += nbytes
         c.bytes_received += nbytes * (nranks - 1)
         c.dense_bytes += nbytes
