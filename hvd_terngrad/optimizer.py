@@ -401,10 +401,16 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
             self._synchronized = True
+        auto = self._pipe.auto
+        deciding = auto is not None and not auto.decided
         try:
             self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank)
         finally:
             self._pipe.next_step()
+            if deciding and auto.decided:
+                # the verdict's step codes every group: the fp16 tensors of a trial go (half a gradient's bytes
+                # each), and a kept fp16 plan makes its own again on its first step
+                self._half_wires.clear()
 
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""

@@ -220,6 +220,46 @@ def test_every_front_end_averages_in_fp16_where_auto_says_so_and_they_agree(spik
     assert res[0][0] == res[1][0]
 
 
+def body_optimizer_lets_go_of_fp16_tensors():
+    """hvd_terngrad's optimizer with auto's plan (every tensor uncoded) tried in fp16 for one step, and then the
+    coded steps found faster: the fp16 tensors it keeps after each step, and what auto kept."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    auto.TRIAL_STEPS, auto.WIRES = 1, ("fp16",)
+    agree = auto.AutoPlan.agree
+
+    def coded_fastest(self, values):
+        agree(self, values)
+        if self.steps == self.verdict_step:
+            self.verdict = (0.0,) + (1.0,) * (len(values) - 1)
+
+    auto.AutoPlan.agree = coded_fastest
+    hvd.init()
+    torch.set_num_threads(1)
+    model = G.Net()
+    tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0)
+    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), compression=tg)
+    kept = []
+    for step in range(PLAN_STEP + 1 + RECHECK_STEPS + 3):
+        opt.zero_grad()
+        G.loss(model, hvd.rank(), step).backward()
+        opt.step()
+        kept.append(len(opt._half_wires))
+    return kept, tg.pipeline.auto.kept, tg.pipeline.auto.decided
+
+
+@pytest.mark.mpi
+def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding():
+    for kept, plan, decided in run_ranks("tests.test_uncoded:body_optimizer_lets_go_of_fp16_tensors", np=2,
+                                         timeout=120):
+        assert decided and plan is None, (plan, decided)  # coding kept
+        assert kept[PLAN_STEP] > 0  # the trial's step sent its tensors in fp16
+        assert kept[PLAN_STEP + 1 + RECHECK_STEPS:] == [0] * 3, kept  # none kept from the verdict on
+
+
 def body_optimizer_fp16_faults(on_nonfinite):
     """hvd_terngrad's optimizer with the plan in force in fp16; at PLAN_STEP + 1 one tensor's gradient on rank 1
     is NaN. What each rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
