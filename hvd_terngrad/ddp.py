@@ -174,11 +174,12 @@ class TernGradState:
         allreduce runs on the hook's own group, whose gloo timeout is timeout_s: a rank that never joins fails it
         in bounded time, as the worker's bounded waits do.
 
-        A non-finite average leaves through the step's last bucket, whose future completes once every
-        allreduce of the step has (the worker's _held_back, for the same reason): raised from an earlier
-        bucket, it let DDP end the step while this rank's later allreduces, or a late peer's, were in flight,
-        and a training loop that then tore its process group down aborted a process ("Resource deadlock
-        avoided": the group destroyed on its own gloo thread). A failed allreduce is raised at once."""
+        A non-finite average leaves through the step's last bucket, whose future completes once every earlier
+        average of the step and its check have (_after_averages; the worker's _held_back, for the same reason):
+        raised from an earlier bucket, it let DDP end the step while this rank's later allreduces, or a late
+        peer's, were in flight, and a training loop that then tore its process group down aborted a process
+        ("Resource deadlock avoided": the group destroyed on its own gloo thread). A failed allreduce is raised
+        at once."""
         pipe, me, size, buf = self.pipeline, self.world.rank, self.world.size, bucket.buffer()
         named = None  # the gradients as (name, view of buf), where this step needs them: _split costs a view each
         if pipe.coder.feedback.worker:  # residuals kept from the coded steps, merged once
