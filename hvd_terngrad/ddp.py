@@ -181,12 +181,11 @@ class TernGradState:
         ("Resource deadlock avoided": the group destroyed on its own gloo thread). A failed allreduce is raised
         at once."""
         pipe, me, size, buf = self.pipeline, self.world.rank, self.world.size, bucket.buffer()
-        named = None  # the gradients as (name, view of buf), where this step needs them: _split costs a view each
-        if pipe.coder.feedback.worker:  # residuals kept from the coded steps, merged once
-            coded, floats = self._split(bucket)
-            for name, grad in coded:
-                pipe.coder.merge_residual(name, grad)
-            named = coded + floats
+        # the gradients as (name, view of buf), made only where this step needs them (a view each): residuals kept
+        # from the coded steps, merged once, or a bucket that is not finite
+        named = self._named(bucket) if pipe.coder.feedback.worker else None
+        for name, grad in named or ():
+            pipe.coder.merge_residual(name, grad)
         mine = []
         if nonfinite([buf]):
             named = named or self._named(bucket)
