@@ -72,7 +72,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_group", "_kinds", "_held", "_sums", "_nonfinite", "__weakref__")
+                 "_group", "_kinds", "_held", "_own", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -103,8 +103,7 @@ class TernGradState:
         self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
         self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
-        self._sums: list = []  # this step's allreduces that _average_now started (futures), until its last bucket
-        self._nonfinite: list = []  # this step's non-finite averages there, (bucket index, error) for the last
+        self._own = _OwnAverages()  # the buckets it averages itself (_average_now)
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -168,90 +167,12 @@ class TernGradState:
                 and self.hierarchy is None and self.process_group is None and bucket.buffer().dtype == torch.float32)
 
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
-        A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
-        that a non-finite average names tensor and rank on every rank with no collective in a callback. The
-        allreduce runs on the hook's own group, whose gloo timeout is timeout_s: a rank that never joins fails it
-        in bounded time, as the worker's bounded waits do.
-
-        A non-finite average leaves through the step's last bucket, whose future completes once every earlier
-        average of the step and its check have (_after_averages; the worker's _held_back, for the same reason):
-        raised from an earlier bucket, it let DDP end the step while this rank's later allreduces, or a late
-        peer's, were in flight, and a training loop that then tore its process group down aborted a process
-        ("Resource deadlock avoided": the group destroyed on its own gloo thread). A failed allreduce is raised
-        at once."""
-        pipe, me, size, buf = self.pipeline, self.world.rank, self.world.size, bucket.buffer()
-        # the gradients as (name, view of buf), made only where this step needs them (a view each): residuals kept
-        # from the coded steps, merged once, or a bucket that is not finite
-        named = self._named(bucket) if pipe.coder.feedback.worker else None
-        for name, grad in named or ():
-            pipe.coder.merge_residual(name, grad)
-        mine = []
-        if nonfinite([buf]):
-            named = named or self._named(bucket)
-            mine = mark([grad for _, grad in named], me)
-        pipe.stats.add_float(buf.numel() * 4, size, tensors=len(bucket.parameters()))
-        summed = dist.all_reduce(buf, group=self.world.group, async_op=True).get_future()
-        step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self._nonfinite
-        # The callbacks below hold this state weakly: gloo's thread lets go of a callback after it ran, maybe after
-        # the training has gone on and torn its process groups down, and the last reference to the state's group
-        # must not go there (a process group destroyed on its own thread aborts the process: "Resource deadlock
-        # avoided"). DDP holds the state while its buckets are in flight.
-        state, propagate = weakref.ref(self), self.config.on_nonfinite == "propagate"
-
-        def finish(fut: torch.futures.Future) -> torch.Tensor:
-            nonlocal named
-            try:
-                fut.value()
-            except RuntimeError as exc:
-                named = named or state()._named(bucket)
-                raise CollectiveTimeoutError(
-                    f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
-                    f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
-                    f"timeout_s): {exc}") from None
-            buf.div_(size)
-            if nonfinite([buf]):
-                named = named or state()._named(bucket)
-                bad = nonfinite([grad for _, grad in named])
-                if not propagate:
-                    first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
-                    culprit = marked_rank(named[first][1], size)
-                    held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
-                                                          else culprit, step, me)))
-                for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
-                    named[i][1].fill_(float("nan"))
-            return buf
-
-        if not last:  # the step's last bucket waits for this callback, not for the allreduce alone (_after_averages)
-            done = summed.then(finish)
-            self._sums.append(done)
-            return done
-
-        def finish_last(fut: torch.futures.Future) -> torch.Tensor:
-            try:
-                return finish(fut)
-            finally:
-                state().pipeline.next_step()
-
-        return self._after_averages(summed, finish_last)
+        """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
+        return self._own.start(self, bucket)
 
     def _after_averages(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
-        """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
-        _average_now started this step has, and raising the first bucket's non-finite average held there.
-
-        It collects each earlier average's callback (its finish), not its allreduce: a callback that a future
-        runs on completion may still be running, or waiting for the GIL, on gloo's thread when a later hook adds
-        another callback to the same future, which then runs at once. Collecting the allreduces, the step's last
-        bucket ended before the earlier finish had held its error, and a NaN step went on unraised."""
-        sums, held, self._sums, self._nonfinite = self._sums, self._nonfinite, [], []
-
-        def finish_step(_) -> torch.Tensor:
-            value = finish(last)  # every earlier bucket's finish has run: collect_all waited for them
-            if held:  # the last bucket's own, if it was averaged here, among them
-                raise min(held, key=lambda h: h[0])[1]  # the first bucket's, as DDP would have met it
-            return value
-
-        return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
+        """The step's last bucket's future, once this step's own averages are done (_OwnAverages.after)."""
+        return self._own.after(last, finish)
 
     def _send_held(self) -> None:
         """The held buckets to the worker, as one group."""
@@ -333,6 +254,103 @@ def _own_group(process_group, timeout_s: float):
     # only DDP's ranks call it (the ranks outside it make no state); torch names each such group apart
     return dist.new_group(dist.get_process_group_ranks(process_group), timeout=timeout,
                           use_local_synchronization=True)
+
+
+class _OwnAverages:
+    """The buckets a TernGradState averages itself in a step (TernGradState._averages_now), and what the step's
+    last bucket waits for."""
+
+    __slots__ = ("sums", "nonfinite")
+
+    def __init__(self):
+        self.sums: list = []  # this step's averages started here (their checks' futures), until its last bucket
+        self.nonfinite: list = []  # this step's non-finite averages there, (bucket index, error), for the last
+
+    def start(self, owner: "TernGradState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
+        A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
+        that a non-finite average names tensor and rank on every rank with no collective in a callback. The
+        allreduce runs on the hook's own group, whose gloo timeout is timeout_s: a rank that never joins fails it
+        in bounded time, as the worker's bounded waits do.
+
+        A non-finite average leaves through the step's last bucket, whose future completes once every earlier
+        average of the step and its check have (after; the worker's _held_back, for the same reason):
+        raised from an earlier bucket, it let DDP end the step while this rank's later allreduces, or a late
+        peer's, were in flight, and a training loop that then tore its process group down aborted a process
+        ("Resource deadlock avoided": the group destroyed on its own gloo thread). A failed allreduce is raised
+        at once."""
+        pipe, me, size, buf = owner.pipeline, owner.world.rank, owner.world.size, bucket.buffer()
+        # the gradients as (name, view of buf), made only where this step needs them (a view each): residuals kept
+        # from the coded steps, merged once, or a bucket that is not finite
+        named = owner._named(bucket) if pipe.coder.feedback.worker else None
+        for name, grad in named or ():
+            pipe.coder.merge_residual(name, grad)
+        mine = []
+        if nonfinite([buf]):
+            named = named or owner._named(bucket)
+            mine = mark([grad for _, grad in named], me)
+        pipe.stats.add_float(buf.numel() * 4, size, tensors=len(bucket.parameters()))
+        summed = dist.all_reduce(buf, group=owner.world.group, async_op=True).get_future()
+        step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self.nonfinite
+        # The callbacks below hold the owner weakly: gloo's thread lets go of a callback after it ran, maybe after
+        # the training has gone on and torn its process groups down, and the last reference to the owner's group
+        # must not go there (a process group destroyed on its own thread aborts the process: "Resource deadlock
+        # avoided"). DDP holds the state while its buckets are in flight.
+        state, propagate = weakref.ref(owner), owner.config.on_nonfinite == "propagate"
+
+        def finish(fut: torch.futures.Future) -> torch.Tensor:
+            nonlocal named
+            try:
+                fut.value()
+            except RuntimeError as exc:
+                named = named or state()._named(bucket)
+                raise CollectiveTimeoutError(
+                    f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
+                    f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
+                    f"timeout_s): {exc}") from None
+            buf.div_(size)
+            if nonfinite([buf]):
+                named = named or state()._named(bucket)
+                bad = nonfinite([grad for _, grad in named])
+                if not propagate:
+                    first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
+                    culprit = marked_rank(named[first][1], size)
+                    held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
+                                                          else culprit, step, me)))
+                for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
+                    named[i][1].fill_(float("nan"))
+            return buf
+
+        if not last:  # the step's last bucket waits for this callback, not for the allreduce alone (after)
+            done = summed.then(finish)
+            self.sums.append(done)
+            return done
+
+        def finish_last(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                return finish(fut)
+            finally:
+                state().pipeline.next_step()
+
+        return self.after(summed, finish_last)
+
+    def after(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
+        """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
+        start() began this step has, and raising the first bucket's non-finite average held there.
+
+        It collects each earlier average's callback (its finish), not its allreduce: a callback that a future
+        runs on completion may still be running, or waiting for the GIL, on gloo's thread when a later hook adds
+        another callback to the same future, which then runs at once. Collecting the allreduces, the step's last
+        bucket ended before the earlier finish had held its error, and a NaN step went on unraised."""
+        sums, held, self.sums, self.nonfinite = self.sums, self.nonfinite, [], []
+
+        def finish_step(_) -> torch.Tensor:
+            value = finish(last)  # every earlier bucket's finish has run: collect_all waited for them
+            if held:  # the last bucket's own, if it was averaged here, among them
+                raise min(held, key=lambda h: h[0])[1]  # the first bucket's, as DDP would have met it
+            return value
+
+        return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
 
 
 class _Job:
