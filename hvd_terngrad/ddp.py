@@ -170,10 +170,6 @@ class TernGradState:
         """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
         return self._own.start(self, bucket)
 
-    def _after_averages(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
-        """The step's last bucket's future, once this step's own averages are done (_OwnAverages.after)."""
-        return self._own.after(last, finish)
-
     def _send_held(self) -> None:
         """The held buckets to the worker, as one group."""
         if self._held:
@@ -392,7 +388,7 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     if job.last or sum(j.buffer.numel() * j.buffer.element_size() for j in state._held) >= state.bucket_bytes:
         state._send_held()
     if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
-        return state._after_averages(job.future, _value_or_raise)
+        return state._own.after(job.future, _value_or_raise)
     return job.future.then(_value_or_raise)
 
 
