@@ -15,6 +15,12 @@ for accuracy, or plus 1% for bits per character. A run's time to target is the c
 that reaches it. Each method's figure is the median over the seeds, with their range; a method that misses
 the target on any seed is reported as such.
 
+The ceiling: `local` trains in the same job with no exchange at all (each rank steps on its own gradient; one
+one-element allreduce a step keeps the ranks in step). Its own metric means nothing, but its clock at the step
+where FP32 first reached the target is how soon any method could get there if it converged step for step as
+FP32 does and moving gradients cost nothing. Its row's "vs FP32" is thus the most any compression can buy on
+this cluster and task, and every method's "of ceiling" is that ideal time over its own.
+
 Why these tasks: the network has to matter. On one core per node, lenet (LeNet-5 on MNIST, 0.43 M
 parameters) computes a step in about 4 ms and an FP32 allreduce of its 1.7 MB takes about 20 ms at 1 Gbit/s;
 ncf (NeuMF on implicit feedback, 0.10 M parameters) computes in under 1 ms, so its steps are latency and
@@ -35,10 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("ddp:fp32", "fp32", "fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "terngrad",
+METHODS = ("local", "ddp:fp32", "fp32", "fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "terngrad",
            "terngrad:noclip:ef:block64", "terngrad:sharded-ternary", "terngrad:sharded-ternary:noclip:ef:block64",
            "ddp:terngrad:sharded-ternary", "ddp:terngrad:sharded-ternary:noclip:ef:block64")
 FP32 = ("ddp:fp32", "fp32")
+CEILING = "local"  # no exchange: its clock at FP32's steps to the target (module docstring)
 EVALS_PER_EPOCH = 8
 
 
@@ -65,7 +72,7 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
         opt, tg = build_optimizer(m, model, torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9), seed,
                                   exclude=exclude)
         net = model
-    sched = schedule(opt, task, total)
+    sched = schedule(getattr(opt, "base", opt), task, total)  # local's lockstep wrapper: the SGD it steps
     g = torch.Generator().manual_seed(10_000 + seed)  # the same batches on every rank and for every method
     every = max(1, per_epoch // EVALS_PER_EPOCH)
     clock, step, curve = 0.0, 0, [(0.0, 0, data.evaluate(model) if rank == 0 else None)]
@@ -143,13 +150,31 @@ def target(runs: list[dict], task: str, profile: str) -> float | None:
     return target_from(ref, _lower_is_better(task))
 
 
+def reached_at(run: dict, goal: float) -> tuple[float, int] | None:
+    """(clock, step) at the first evaluation that reaches `goal`, or None."""
+    lower = _lower_is_better(run["task"])
+    for seconds, step, metric in run["curve"]:
+        if metric is not None and math.isfinite(metric) and (metric <= goal if lower else metric >= goal):
+            return seconds, step
+    return None
+
+
 def time_to(run: dict, goal: float) -> float | None:
     """The clock at the first evaluation that reaches `goal`, or None."""
-    lower = _lower_is_better(run["task"])
-    for seconds, _, metric in run["curve"]:
-        if metric is not None and math.isfinite(metric) and (metric <= goal if lower else metric >= goal):
-            return seconds
-    return None
+    at = reached_at(run, goal)
+    return None if at is None else at[0]
+
+
+def ceiling_times(here: list[dict], goal: float, fp32: str) -> list[float | None]:
+    """Per seed of the ceiling's runs: its clock at the step where `fp32` first reached `goal` in the same job
+    (every method of a job evaluates at the same steps); None where that seed's FP32 did not reach it."""
+    times = []
+    for run in (r for r in here if r["method"] == CEILING):
+        ref = next((r for r in here if r["method"] == fp32 and r["seed"] == run["seed"]), None)
+        at = None if ref is None or goal is None else reached_at(ref, goal)
+        clock = {step: seconds for seconds, step, _ in run["curve"]}
+        times.append(None if at is None else clock.get(at[1]))
+    return times
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -160,53 +185,75 @@ def summarize(runs: list[dict]) -> list[dict]:
         here = [r for r in runs if (r["task"], r["profile"]) == (task, profile)]
         methods = [m for m in METHODS if any(r["method"] == m for r in here)]
         methods += sorted({r["method"] for r in here} - set(methods))
-        for method in methods:
-            mine = [r for r in here if r["method"] == method]
-            times = [time_to(r, goal) if goal is not None else None for r in mine]
-            reached = [t for t in times if t is not None]
-            rows.append({"task": task, "profile": profile, "method": method, "target": goal, "seeds": len(mine),
-                         "reached": len(reached),
-                         "tta": statistics.median(reached) if len(reached) == len(mine) else None,
-                         "tta_min": min(reached, default=None), "tta_max": max(reached, default=None),
-                         "final": statistics.mean(r["final"] for r in mine),
-                         "seconds": statistics.median(r["seconds"] for r in mine)})
-        _speedups([r for r in rows if (r["task"], r["profile"]) == (task, profile)])
+        mine = {m: [r for r in here if r["method"] == m] for m in methods}
+        times = {m: [time_to(r, goal) if goal is not None else None for r in mine[m]]
+                 for m in methods if m != CEILING}
+        fp32 = min((m for m in FP32 if m in times and None not in times[m]),
+                   key=lambda m: statistics.median(times[m]), default=None)  # the faster FP32, as in _speedups
+        if CEILING in mine:
+            times[CEILING] = ceiling_times(here, goal, fp32) if fp32 else [None] * len(mine[CEILING])
+        group = [_row(task, profile, m, goal, mine[m], times[m]) for m in methods]
+        _speedups(group)
+        rows += group
     return rows
 
 
+def _row(task: str, profile: str, method: str, goal: float | None, mine: list[dict],
+         times: list[float | None]) -> dict:
+    reached = [t for t in times if t is not None]
+    return {"task": task, "profile": profile, "method": method, "target": goal, "seeds": len(mine),
+            "reached": len(reached), "tta": statistics.median(reached) if len(reached) == len(mine) else None,
+            "tta_min": min(reached, default=None), "tta_max": max(reached, default=None),
+            # the ceiling's model learns alone on rank 0's batches: its metric says nothing
+            "final": None if method == CEILING else statistics.mean(r["final"] for r in mine),
+            "seconds": statistics.median(r["seconds"] for r in mine)}
+
+
 def _speedups(rows: list[dict]) -> None:
-    """Each row's speedup against the faster FP32 and against the fastest method that is not TernGrad."""
+    """Each row's speedup against the faster FP32 and against the fastest method that is not TernGrad, and the
+    ceiling's time over its own."""
     def best(pick):
         times = [r["tta"] for r in rows if pick(r["method"]) and r["tta"] is not None]
         return min(times, default=None)
 
     fp32 = best(lambda m: m in FP32)
-    peer = best(lambda m: "terngrad" not in m and m not in FP32)
+    peer = best(lambda m: "terngrad" not in m and m not in FP32 and m != CEILING)
+    ceiling = best(lambda m: m == CEILING)
     for r in rows:
         ok = r["tta"] is not None
         r["vs_fp32"] = fp32 / r["tta"] if ok and fp32 else None
         r["vs_peer"] = peer / r["tta"] if ok and peer else None
+        r["of_ceiling"] = ceiling / r["tta"] if ok and ceiling else None
 
 
 def table(rows: list[dict]) -> str:
     def f(v, spec):
         return "" if v is None else format(v, spec)
 
+    def times(v):
+        return f"{f(v, '.2f')}{'×' if v else ''}"
+
     lines = ["| task | profile | method | time to target (s), median | range | reached | final | training (s) | "
-             "vs FP32 | vs best peer |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             "vs FP32 | vs best peer | of ceiling |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         span = f"{r['tta_min']:.1f}–{r['tta_max']:.1f}" if r["reached"] else ""
         tta = f(r["tta"], ".1f") or "not reached"
-        lines.append(f"| {r['task']} | {r['profile']} | {r['method']} | {tta} | {span} | "
-                     f"{r['reached']}/{r['seeds']} | {r['final']:.2f} | {r['seconds']:.1f} | "
-                     f"{f(r['vs_fp32'], '.2f')}{'×' if r['vs_fp32'] else ''} | "
-                     f"{f(r['vs_peer'], '.2f')}{'×' if r['vs_peer'] else ''} |")
+        name = "local: no exchange, at FP32's steps (ceiling)" if r["method"] == CEILING else r["method"]
+        lines.append(f"| {r['task']} | {r['profile']} | {name} | {tta} | {span} | "
+                     f"{r['reached']}/{r['seeds']} | {f(r['final'], '.2f')} | {r['seconds']:.1f} | "
+                     f"{times(r['vs_fp32'])} | {times(r['vs_peer'])} | {f(r['of_ceiling'], '.2f')} |")
     targets = sorted({(r["task"], r["profile"], r["target"]) for r in rows if r["target"] is not None})
     lines += ["", "Targets: " + "; ".join(f"{t} on {p}: {g:.2f}" for t, p, g in targets) + "."]
+    if any(r["method"] == CEILING for r in rows):
+        lines += ["", "The ceiling trains with no exchange; its time is its clock at the step where the faster FP32 "
+                  "first reached the target. Its \"vs FP32\" is the most any compression can buy here; \"of "
+                  "ceiling\" is its time over each method's."]
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], out: Path) -> None:
+def plot(runs: list[dict], out: Path, rows: list[dict]) -> None:
+    """A figure per task, a panel per profile: each run's metric against its clock, the target, and the ceiling's
+    time to it as a vertical line (its own metric is not plotted: it says nothing)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,7 +263,7 @@ def plot(runs: list[dict], out: Path) -> None:
         profiles = sorted({r["profile"] for r in runs if r["task"] == task})
         fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.2), squeeze=False)
         for ax, profile in zip(axes[0], profiles):
-            here = [r for r in runs if (r["task"], r["profile"]) == (task, profile)]
+            here = [r for r in runs if (r["task"], r["profile"]) == (task, profile) and r["method"] != CEILING]
             colors = {}
             for r in here:
                 c = colors.setdefault(r["method"], f"C{len(colors) % 10}")
@@ -227,6 +274,9 @@ def plot(runs: list[dict], out: Path) -> None:
             goal = target(runs, task, profile)
             if goal is not None:
                 ax.axhline(goal, color="k", lw=0.8, ls=":", label="target")
+            for r in rows:
+                if (r["task"], r["profile"], r["method"]) == (task, profile, CEILING) and r["tta"] is not None:
+                    ax.axvline(r["tta"], color="grey", lw=1.0, ls="-.", label="no exchange, FP32's steps (ceiling)")
             ax.set_title(f"{task}, {here[0]['workers']} nodes, {profile}")
             ax.set_xlabel("training wall-clock (s), evaluation excluded")
             ax.set_ylabel("test bits per character" if _lower_is_better(task) else "test metric (%)")
@@ -241,13 +291,14 @@ def plot(runs: list[dict], out: Path) -> None:
 
 
 def report(runs: list[dict], out: Path, failures: list[dict]) -> str:
-    text = table(summarize(runs))
+    rows = summarize(runs)
+    text = table(rows)
     if failures:
         text += "\n\nFailed jobs (their error's end in time_to_accuracy.json):\n\n" + "\n".join(
             f"* {f['task']} {f['profile']} seed {f['seed']}: {f['reason']}" for f in failures)
     (out / "time_to_accuracy.md").write_text(text + "\n")
     if runs:
-        plot(runs, out)
+        plot(runs, out, rows)
     return text
 
 

@@ -56,11 +56,46 @@ def test_summary_takes_medians_over_seeds_and_compares_with_fp32_and_the_best_pe
     assert "not reached" in text and "lenet on ethernet-1g: 96.50" in text
 
 
+def test_the_ceiling_is_local_at_the_faster_fp32s_step_to_the_target_and_no_peer():
+    """local's clock at the step where DDP FP32 (the faster FP32) first reached 96.5 in the same seed: step 10
+    for seed 0 (8 s), step 5 for seed 1 (3 s). It is neither FP32 nor a peer; its metric is not reported."""
+    fp32 = [_run("ddp:fp32", 0, [(0, 0, 10.0), (10, 5, 90.0), (20, 10, 97.0)]),
+            _run("ddp:fp32", 1, [(0, 0, 10.0), (9, 5, 96.6), (19, 10, 97.0)]),
+            _run("fp32", 0, [(0, 0, 10.0), (30, 5, 96.9), (60, 10, 97.0)]),
+            _run("fp32", 1, [(0, 0, 10.0), (30, 5, 90.0), (60, 10, 97.0)])]
+    local = [_run("local", 0, [(0, 0, 10.0), (4, 5, 99.0), (8, 10, 99.0)]),
+             _run("local", 1, [(0, 0, 10.0), (3, 5, 50.0), (7, 10, 50.0)])]
+    tg = [_run("terngrad", s, [(0, 0, 10.0), (6, 5, 96.6), (12, 10, 97.0)]) for s in (0, 1)]
+    goal = T.target(fp32, "lenet", "ethernet-1g")
+    assert goal == pytest.approx(96.5)
+    assert T.ceiling_times(fp32 + local, goal, "ddp:fp32") == [8, 3]
+    rows = {r["method"]: r for r in T.summarize(fp32 + local + tg + [_run("ddp:bf16", 0, [(0, 0, 10.0),
+                                                                                          (9, 5, 96.7)])])}
+    ceiling, fp32_row = rows["local"], rows["ddp:fp32"]
+    assert (ceiling["tta"], ceiling["tta_min"], ceiling["tta_max"], ceiling["final"]) == (5.5, 3, 8, None)
+    assert fp32_row["tta"] == pytest.approx(14.5)  # seeds at 20 and 9 s; Horovod's is 30 and 60
+    assert ceiling["vs_fp32"] == pytest.approx(14.5 / 5.5)  # the most any compression buys here
+    assert rows["terngrad"]["vs_peer"] == pytest.approx(9 / 6)  # bf16 is the best peer, not the ceiling
+    assert rows["terngrad"]["of_ceiling"] == pytest.approx(5.5 / 6) and ceiling["of_ceiling"] == 1.0
+    text = T.table(list(rows.values()))
+    assert "| local: no exchange, at FP32's steps (ceiling) | 5.5 | 3.0–8.0 | 2/2 |  |" in text
+    assert "the most any compression can buy here" in text
+
+
+def test_without_fp32_reaching_the_target_the_ceiling_has_no_time():
+    fp32 = _run("ddp:fp32", 0, [(0, 0, 10.0), (10, 5, 97.0)])
+    local = _run("local", 0, [(0, 0, 10.0), (4, 5, 99.0)])
+    assert T.ceiling_times([fp32, local], 98.0, "ddp:fp32") == [None]
+    rows = {r["method"]: r for r in T.summarize([local])}  # no FP32 run: no target, no ceiling
+    assert rows["local"]["tta"] is None and rows["local"]["reached"] == 0
+
+
 @pytest.mark.mpi
 def test_the_worker_trains_every_kind_of_method_on_two_ranks(tmp_path):
-    """A few steps of each kind (DDP, PowerSGD, Horovod, TernGrad on both) in one 2-rank job: a curve each."""
+    """A few steps of each kind (DDP, PowerSGD, Horovod, TernGrad on both, the no-exchange ceiling) in one 2-rank
+    job: a curve each."""
     out = tmp_path / "runs.jsonl"
-    methods = "ddp:fp32,ddp:powersgd,fp16,terngrad:noclip:ef:block64,ddp:terngrad:sharded-ternary"
+    methods = "ddp:fp32,ddp:powersgd,fp16,terngrad:noclip:ef:block64,ddp:terngrad:sharded-ternary,local"
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "MASTER_PORT": "29651", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "-np", "2", sys.executable, "-m",
