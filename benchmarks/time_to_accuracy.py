@@ -186,13 +186,13 @@ def summarize(runs: list[dict]) -> list[dict]:
         methods = [m for m in METHODS if any(r["method"] == m for r in here)]
         methods += sorted({r["method"] for r in here} - set(methods))
         mine = {m: [r for r in here if r["method"] == m] for m in methods}
-        times = {m: [time_to(r, goal) if goal is not None else None for r in mine[m]]
-                 for m in methods if m != CEILING}
-        fp32 = min((m for m in FP32 if m in times and None not in times[m]),
-                   key=lambda m: statistics.median(times[m]), default=None)  # the faster FP32, as in _speedups
-        if CEILING in mine:
-            times[CEILING] = ceiling_times(here, goal, fp32) if fp32 else [None] * len(mine[CEILING])
-        group = [_row(task, profile, m, goal, mine[m], times[m]) for m in methods]
+        group = [_row(task, profile, m, goal, mine[m], [time_to(r, goal) if goal is not None else None
+                                                        for r in mine[m]]) for m in methods if m != CEILING]
+        if CEILING in mine:  # timed at the faster FP32's steps, the FP32 that _speedups divides by
+            fp32 = min((r for r in group if r["method"] in FP32 and r["tta"] is not None), key=lambda r: r["tta"],
+                       default=None)
+            times = ceiling_times(here, goal, fp32["method"]) if fp32 else [None] * len(mine[CEILING])
+            group.insert(methods.index(CEILING), _row(task, profile, CEILING, goal, mine[CEILING], times))
         _speedups(group)
         rows += group
     return rows
