@@ -165,7 +165,7 @@ def time_to(run: dict, goal: float) -> float | None:
     return None if at is None else at[0]
 
 
-def ceiling_times(here: list[dict], goal: float, fp32: str) -> list[float | None]:
+def ceiling_times(here: list[dict], goal: float | None, fp32: str) -> list[float | None]:
     """Per seed of the ceiling's runs: its clock at the step where `fp32` first reached `goal` in the same job
     (every method of a job evaluates at the same steps); None where that seed's FP32 did not reach it."""
     times = []
