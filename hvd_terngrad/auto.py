@@ -22,19 +22,23 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
 - For PLAN_STEP steps every group is coded (the wire choice, as before). On the steps after the first (which
   warms up allocations) each rank measures its codec seconds per element (the stats' encode and decode time
   over the elements it coded), its window (the first group ready to the last group ready, less its own coding
-  in between where that ran on the same thread) and its step time.
+  in between where that ran on the same thread).
 - On the last of those steps each coded group's scaler Max allreduce carries two more values, [seconds per
   element, -window] (docs/wire-format.md, section 9): every rank reads the slowest codec and the shortest
   window, and makes the same plan.
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
-  front end's own copies. So the plan is tried for TRIAL_STEPS steps and timed, and then every group is
-  coded again for RECHECK_STEPS timed steps (the coded steps before the trial were still warming up, which
-  favoured the plan). A coded step then carries every kind's fastest step on each rank, and every rank keeps
-  the kind whose slowest rank's step was the shortest: a plan only if its tried step beat the coded one, else
-  every group is coded from then on.
-- The plan is tried twice in turn, TRIAL_STEPS steps each: its uncoded groups in fp32, then in fp16 (half the
-  bytes for three passes of torch ops over each tensor: transports.uncoded, which scales each tensor so that
-  nothing overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
+  front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
+  each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
+  in reverse order, and each rank times every step. A kind's mean over a pair is then not moved by a steady
+  drift of the machine's speed (the warm-up still under way in a job's first steps, a slow spell), and its
+  step is the median of its pair means: the first pair pays one-offs, a spike moves one pair. Tried in
+  blocks of steps instead, one kind after another, the kind tried last was favoured by that warm-up
+  (measured: docs/time-to-accuracy.md, "Auto's trial"). A coded step then carries every kind's step on each
+  rank, and every rank keeps the kind whose slowest rank's step was the shortest: a plan only if it beat
+  the coded steps, else every group is coded from then on.
+- The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
+  pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
+  overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
   model does not know.
 - Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
   must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
@@ -47,6 +51,7 @@ leaves groups uncoded is in force, a group it has not seen goes uncoded too. Wit
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 from hvd_terngrad.commcost import Link, allreduce_time
@@ -54,10 +59,9 @@ from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.transports.uncoded import FP32, WIRES
 
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
-TRIAL_STEPS = 4  # steps each tried plan is in force (the fastest counts: the first pays one-offs)
-RECHECK_STEPS = 3  # coded steps after the trials, timed: the steps before them were still warming up
+TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
-LAST_VERDICT_STEP = PLAN_STEP + MAX_TRIALS * TRIAL_STEPS + RECHECK_STEPS  # auto has decided after this step
+LAST_VERDICT_STEP = PLAN_STEP + (1 + MAX_TRIALS) * 2 * TRIAL_PAIRS  # auto has decided after this step
 
 
 def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
@@ -94,12 +98,12 @@ class AutoPlan:
     """One rank's measurement, plans and verdict for transport="auto" (module docstring). Its steps:
 
         0                   coded (allocations warm up)
-        1 .. PLAN_STEP-2    coded; codec seconds per element, the window and the step time measured
+        1 .. PLAN_STEP-2    coded; codec seconds per element and the window measured
         PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the plans to try
-        TRIAL_STEPS a plan  each plan tried in turn, its step time measured
-        the RECHECK_STEPS   coded again, the step time measured
-        verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step]; the fastest
-                            is kept
+        2 * TRIAL_PAIRS     rounds: the kinds in turn, a step each (coded, then each plan; the second round of
+                            a pair the other way round), every step timed
+        verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
+                            median of its pair means; the fastest is kept
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
     model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
@@ -116,8 +120,8 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, TRIAL_STEPS each
-        self.times: list[list[float]] = [[]]  # step seconds on this rank: coded, then each tried plan's
+        self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, in turn with coding
+        self.times: list[list[float]] = [[]]  # the trial's step seconds on this rank: coded, then each plan's
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
@@ -139,7 +143,7 @@ class AutoPlan:
     @property
     def verdict_step(self) -> int:
         """The coded step that carries the step times (past it, auto has decided)."""
-        return PLAN_STEP + len(self.trials) * TRIAL_STEPS + RECHECK_STEPS
+        return PLAN_STEP + (1 + len(self.trials)) * 2 * TRIAL_PAIRS
 
     @property
     def decided(self) -> bool:
@@ -162,8 +166,8 @@ class AutoPlan:
 
     def carried(self) -> list[float]:
         """The values this rank appends to its scaler vectors on a carrying step."""
-        if self.steps == self.verdict_step:  # the fastest step of each kind: one-off costs and noise stay out
-            return [min(t) for t in self.times]
+        if self.steps == self.verdict_step:
+            return [_trial_step(t) for t in self.times]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
@@ -183,9 +187,8 @@ class AutoPlan:
         now = time.perf_counter() if now is None else now
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
-        if took is not None:
-            k = self._trying(s)
-            self.times[0 if k is None else k + 1].append(took)
+        if took is not None and PLAN_STEP <= s < self.verdict_step:
+            self.times[self._kind(s)].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -200,12 +203,20 @@ class AutoPlan:
         self._in_force(self.kept if self.decided else self._trying(self.steps))
         self.groups, self.first, self.last = {}, None, None
 
+    def _kind(self, step: int) -> int:
+        """The kind of step `step` of the trial (PLAN_STEP <= step < verdict_step) is: 0 every group coded as the
+        model says, k the plan trials[k - 1]. Round r runs the kinds in order, or (r odd: the second of a pair)
+        in reverse."""
+        kinds = 1 + len(self.trials)
+        r, i = divmod(step - PLAN_STEP, kinds)
+        return kinds - 1 - i if r % 2 else i
+
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
-        if step < PLAN_STEP or not TRIAL_STEPS:
+        if not PLAN_STEP <= step < self.verdict_step:
             return None
-        k = (step - PLAN_STEP) // TRIAL_STEPS
-        return k if k < len(self.trials) else None
+        k = self._kind(step)
+        return k - 1 if k else None
 
     def _in_force(self, k: int | None) -> None:
         """Tried plan k in force (None: every group coded as the model says)."""
@@ -226,5 +237,11 @@ class AutoPlan:
             chosen, self.trials = set(), [(None, "allgather", "fp32")] if sharded else []
         self.trials += [(chosen, None, wire) for wire in WIRES]
         self.times += [[] for _ in self.trials]
-        if TRIAL_STEPS == 0:  # tests: the first plan in force, untried
+        if TRIAL_PAIRS == 0:  # tests: the first plan in force, untried
             self.kept, self.steps = 0, self.verdict_step
+
+
+def _trial_step(times: list[float]) -> float:
+    """A kind's step from its trial steps, one a round: the median of its means over pairs of rounds (the
+    module docstring)."""
+    return statistics.median((a + b) / 2 for a, b in zip(times[::2], times[1::2]))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hvd_terngrad.auto as auto
-from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan, exposed, plan
+from hvd_terngrad.auto import PLAN_STEP, TRIAL_PAIRS, AutoPlan, exposed, plan
 from hvd_terngrad.collectives.loopback import LoopbackWorld, horovod_average
 from hvd_terngrad.commcost import Link
 from hvd_terngrad.config import TernGradConfig
@@ -36,7 +36,7 @@ def test_the_plan_codes_first_what_saves_most_link_time_per_codec_second():
 @pytest.fixture
 def untried(monkeypatch):
     """The model's plan in force at once, untried: the tests below are about the plan, not about timing."""
-    monkeypatch.setattr(auto, "TRIAL_STEPS", 0)
+    monkeypatch.setattr(auto, "TRIAL_PAIRS", 0)
 
 
 def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
@@ -51,18 +51,27 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
         p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
 
 
+def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0) -> list[float]:
+    """Step seconds of a whole trial: PLAN_STEP coded steps of `before`, then the rounds, where kind k (0:
+    coded, k: the k-th plan) takes kinds[k], plus drift times the step's place in the rounds, then 3 steps
+    past the verdict."""
+    order = [k for r in range(2 * TRIAL_PAIRS) for k in (range(len(kinds)) if r % 2 == 0 else
+                                                          reversed(range(len(kinds))))]
+    return [before] * PLAN_STEP + [kinds[k] + drift * j for j, k in enumerate(order)] + [kinds[0]] * 3
+
+
 UNCODED_TRIALS = [{"coding": [], "transport": None, "uncoded": "fp32"},
                   {"coding": [], "transport": None, "uncoded": "fp16"}]  # the model's plan of one uncoded bucket
 
 
 def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
     fast, slow, warming = AutoPlan(), AutoPlan(), AutoPlan()
-    # coded steps take 10 ms, before the trials and after them; the tried steps, uncoded in fp32, 5 ms or 20 ms
-    # (in fp16, 21 ms)
-    _steps(fast, [0.010] * PLAN_STEP + [0.005] * TRIAL_STEPS + [0.021] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
-    _steps(slow, [0.010] * PLAN_STEP + [0.020] * TRIAL_STEPS + [0.021] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
-    # the coded steps before the trial still warming up (30 ms), the tried ones 12 ms, coded ones after 10 ms
-    _steps(warming, [0.030] * PLAN_STEP + [0.012] * 2 * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+    # coded steps take 10 ms; the tried steps, uncoded in fp32, 5 ms or 20 ms (in fp16, 21 ms)
+    _steps(fast, trial([0.010, 0.005, 0.021]))
+    _steps(slow, trial([0.010, 0.020, 0.021]))
+    # the coded steps before the trial still warming up (30 ms): they do not count; the trial's coded steps 10 ms,
+    # the tried ones 12 ms
+    _steps(warming, trial([0.010, 0.012, 0.012], before=0.030))
     for p in (fast, slow, warming):  # 100 Gbit/s, a 2 ms codec: the model codes nothing, its plan tried twice
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
     assert fast.verdict == pytest.approx((0.010, 0.005, 0.021)) and fast.uncoded("bucket.0") and fast.kept == 0
@@ -71,13 +80,28 @@ def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
     assert warming.verdict == pytest.approx((0.010, 0.012, 0.012)) and not warming.uncoded("bucket.0")
 
 
+def test_the_trial_is_not_swayed_by_a_drift_of_the_machines_speed_or_by_a_spike():
+    """The kinds take turns, and a kind's step is the median of its means over pairs of rounds: a job still
+    warming up (every step 0.5 ms shorter than the one before) favours no kind, where kinds tried one after
+    another would favour the last (here fp16, 0.5 ms slower than fp32 on a steady machine); one step ten times
+    too long moves one pair only."""
+    warming, spiked = AutoPlan(), AutoPlan()
+    _steps(warming, trial([0.030, 0.025, 0.0255], drift=-0.0005))
+    seconds = trial([0.010, 0.009, 0.0095])
+    seconds[PLAN_STEP + 3 * 3 + 1] = 0.090  # the fp32 step of the second pair's second round
+    _steps(spiked, seconds)
+    for p in (warming, spiked):
+        assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
+        assert p.uncoded("bucket.0") and p.wire == "fp32", p.verdict
+    fp32, fp16 = warming.verdict[1:]
+    assert fp16 - fp32 == pytest.approx(0.0005)  # the drift cancels within each pair
+
+
 def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster():
     """2 ranks at 8 Mbit/s: the model codes the bucket (with the allgather); every group uncoded is tried."""
     faster, slower = AutoPlan(), AutoPlan()
-    _steps(faster, [0.010] * PLAN_STEP + [0.008] * TRIAL_STEPS + [0.009] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3),
-           size=2, gbps=0.008)
-    _steps(slower, [0.010] * PLAN_STEP + [0.012] * TRIAL_STEPS + [0.011] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3),
-           size=2, gbps=0.008)
+    _steps(faster, trial([0.010, 0.008, 0.009]), size=2, gbps=0.008)
+    _steps(slower, trial([0.010, 0.012, 0.011]), size=2, gbps=0.008)
     for p in (faster, slower):
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
     assert faster.uncoded("bucket.0") and faster.summary()["uncoded_now"]
@@ -86,15 +110,14 @@ def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster(
 
 def test_where_the_model_codes_with_the_sharded_transport_the_allgather_and_fp32_are_tried():
     """4 ranks at 8 Mbit/s: the model codes the bucket with the sharded transport; the allgather is tried, then
-    every group uncoded in fp32 and in fp16, each for TRIAL_STEPS steps, and the fastest of the four kinds is
+    every group uncoded in fp32 and in fp16, in turn with the coded steps, and the fastest of the four kinds is
     kept."""
     runs = {"allgather": (0.008, 0.009, 0.009), "fp32": (0.009, 0.008, 0.0085), "fp16": (0.009, 0.009, 0.007),
             "sharded": (0.011, 0.012, 0.012)}
     plans = {}
     for kept, (allgather, fp32, fp16) in runs.items():
         p = plans[kept] = AutoPlan()
-        _steps(p, [0.010] * PLAN_STEP + [allgather] * TRIAL_STEPS + [fp32] * TRIAL_STEPS + [fp16] * TRIAL_STEPS
-               + [0.010] * (RECHECK_STEPS + 3), gbps=0.008)
+        _steps(p, trial([0.010, allgather, fp32, fp16]), gbps=0.008)
         assert p.decided and p.summary()["tried"] == [{"coding": "every group", "transport": "allgather"},
                                                       *UNCODED_TRIALS]
         assert p.verdict == pytest.approx((0.010, allgather, fp32, fp16))
@@ -183,7 +206,7 @@ def body_frontends_auto(port):
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
     from tests.test_ddp import _close_gloo, _init_gloo
 
-    hvd_terngrad.auto.TRIAL_STEPS = 0  # the plan untried: this is about the front ends, not timing
+    hvd_terngrad.auto.TRIAL_PAIRS = 0  # the plan untried: this is about the front ends, not timing
     hvd.init()
     rank = _init_gloo(port)
     torch.set_num_threads(1)
@@ -257,7 +280,7 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     from hvd_terngrad.ddp import TernGradState
     from tests.test_ddp import _close_gloo, _init_gloo
 
-    hvd_terngrad.auto.TRIAL_STEPS = 0
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     bf16 = layout.startswith("bf16_last")

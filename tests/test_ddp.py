@@ -294,7 +294,7 @@ def body_ddp_join(port, transport):
     import hvd_terngrad
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
 
-    hvd_terngrad.auto.TRIAL_STEPS = 0
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     model = G.Net()

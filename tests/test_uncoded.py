@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hvd_terngrad.auto as auto
-from hvd_terngrad.auto import PLAN_STEP, RECHECK_STEPS, TRIAL_STEPS, AutoPlan
+from hvd_terngrad.auto import PLAN_STEP, AutoPlan
 from hvd_terngrad.codec import Codec
 from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.errors import NonFiniteGradientError
@@ -15,7 +15,7 @@ from hvd_terngrad.finite import absmax
 from hvd_terngrad.transports.uncoded import HALF_HEADROOM, half_scale
 from tests.golden import frontends as G
 from tests.mpi_harness import run_ranks
-from tests.test_auto import _steps, _train
+from tests.test_auto import _steps, _train, trial
 
 
 def test_the_scale_is_a_power_of_two_that_leaves_the_headroom_below_fp16s_range():
@@ -47,7 +47,7 @@ def test_the_plan_is_tried_in_fp32_and_in_fp16_and_the_faster_wire_is_kept():
     kinds = {"fp16": (0.008, 0.006), "fp32": (0.006, 0.008), "coded": (0.012, 0.011)}
     for kept, (fp32, fp16) in kinds.items():
         p = AutoPlan()
-        _steps(p, [0.010] * PLAN_STEP + [fp32] * TRIAL_STEPS + [fp16] * TRIAL_STEPS + [0.010] * (RECHECK_STEPS + 3))
+        _steps(p, trial([0.010, fp32, fp16]))
         assert p.decided and p.summary()["tried"] == [{"coding": [], "transport": None, "uncoded": "fp32"},
                                                       {"coding": [], "transport": None, "uncoded": "fp16"}]
         assert p.verdict == pytest.approx((0.010, fp32, fp16))
@@ -58,7 +58,7 @@ def test_the_plan_is_tried_in_fp32_and_in_fp16_and_the_faster_wire_is_kept():
 @pytest.fixture
 def fp16_untried(monkeypatch):
     """The model's plan in force at once, untried, with its uncoded groups in fp16."""
-    monkeypatch.setattr(auto, "TRIAL_STEPS", 0)
+    monkeypatch.setattr(auto, "TRIAL_PAIRS", 0)
     monkeypatch.setattr(auto, "WIRES", ("fp16",))
 
 
@@ -159,7 +159,7 @@ def body_frontends_fp16(port, spike_step):
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
     from tests.test_ddp import _close_gloo, _init_gloo
 
-    hvd_terngrad.auto.TRIAL_STEPS = 0  # the plan untried, in fp16: this is about the wire, not timing
+    hvd_terngrad.auto.TRIAL_PAIRS = 0  # the plan untried, in fp16: this is about the wire, not timing
     hvd_terngrad.auto.WIRES = ("fp16",)
     hvd.init()
     rank = _init_gloo(port)
@@ -227,7 +227,7 @@ def body_optimizer_lets_go_of_fp16_tensors():
 
     import hvd_terngrad
 
-    auto.TRIAL_STEPS, auto.WIRES = 1, ("fp16",)
+    auto.TRIAL_PAIRS, auto.WIRES = 1, ("fp16",)  # steps PLAN_STEP + 0..3: coded, fp16, fp16, coded
     agree = auto.AutoPlan.agree
 
     def coded_fastest(self, values):
@@ -243,7 +243,7 @@ def body_optimizer_lets_go_of_fp16_tensors():
     opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                             named_parameters=model.named_parameters(), compression=tg)
     kept = []
-    for step in range(PLAN_STEP + 1 + RECHECK_STEPS + 3):
+    for step in range(PLAN_STEP + 4 + 1 + 3):
         opt.zero_grad()
         G.loss(model, hvd.rank(), step).backward()
         opt.step()
@@ -256,8 +256,8 @@ def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding()
     for kept, plan, decided in run_ranks("tests.test_uncoded:body_optimizer_lets_go_of_fp16_tensors", np=2,
                                          timeout=120):
         assert decided and plan is None, (plan, decided)  # coding kept
-        assert kept[PLAN_STEP] > 0  # the trial's step sent its tensors in fp16
-        assert kept[PLAN_STEP + 1 + RECHECK_STEPS:] == [0] * 3, kept  # none kept from the verdict on
+        assert kept[PLAN_STEP + 1] > 0  # the trial's step sent its tensors in fp16
+        assert kept[PLAN_STEP + 4:] == [0] * 4, kept  # none kept from the verdict on
 
 
 def body_optimizer_fp16_faults(on_nonfinite):
@@ -267,7 +267,7 @@ def body_optimizer_fp16_faults(on_nonfinite):
 
     import hvd_terngrad
 
-    hvd_terngrad.auto.TRIAL_STEPS = 0
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
     hvd_terngrad.auto.WIRES = ("fp16",)
     hvd.init()
     rank = hvd.rank()
