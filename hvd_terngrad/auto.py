@@ -33,9 +33,9 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   drift of the machine's speed (the warm-up still under way in a job's first steps, a slow spell), and its
   step is the median of its pair means: the first pair pays one-offs, a spike moves one pair. Tried in
   blocks of steps instead, one kind after another, the kind tried last was favoured by that warm-up
-  (measured: docs/time-to-accuracy.md, "Auto's trial"). A coded step then carries every kind's step on each
-  rank, and every rank keeps the kind whose slowest rank's step was the shortest: a plan only if it beat
-  the coded steps, else every group is coded from then on.
+  (measured: docs/time-to-accuracy.md, "Auto's trial: the kinds take turns"). A coded step then carries
+  every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the shortest:
+  a plan only if it beat the coded steps, else every group is coded from then on.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
   pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
   overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
