@@ -264,9 +264,9 @@ def plot(runs: list[dict], out: Path, rows: list[dict]) -> None:
         fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.2), squeeze=False)
         for ax, profile in zip(axes[0], profiles):
             here = [r for r in runs if (r["task"], r["profile"]) == (task, profile) and r["method"] != CEILING]
-            colors = {}
+            colors = {}  # tab20: up to 20 methods in colours of their own (the default cycle has 10)
             for r in here:
-                c = colors.setdefault(r["method"], f"C{len(colors) % 10}")
+                c = colors.setdefault(r["method"], plt.get_cmap("tab20")(len(colors) % 20))
                 pts = [(s, v) for s, _, v in r["curve"] if v is not None]
                 ax.plot(*zip(*pts), color=c, lw=1.2, alpha=0.85, label=r["method"] if r["seed"] == min(
                     x["seed"] for x in here if x["method"] == r["method"]) else None,
