@@ -29,13 +29,13 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
   each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
-  in reverse order, and each rank times every step. A kind's mean over a pair is then not moved by a steady
-  drift of the machine's speed (the warm-up still under way in a job's first steps, a slow spell), and its
+  in reverse order, and each rank times every step. A steady drift of the machine's speed (a job's first
+  steps still warming up, a slow spell) then moves every kind's mean over a pair alike, and a kind's
   step is the median of its pair means: the first pair pays one-offs, a spike moves one pair. Tried in
-  blocks of steps instead, one kind after another, the kind tried last was favoured by that warm-up
-  (measured: docs/time-to-accuracy.md, "Auto's trial: the kinds take turns"). A coded step then carries
-  every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the shortest:
-  a plan only if it beat the coded steps, else every group is coded from then on.
+  blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
+  warranted (measured: docs/time-to-accuracy.md, "Auto's trial: the kinds take turns"). A coded step then
+  carries every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the
+  shortest: a plan only if it beat the coded steps, else every group is coded from then on.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
   pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
   overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
