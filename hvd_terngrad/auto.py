@@ -61,7 +61,15 @@ from hvd_terngrad.transports.uncoded import FP32, WIRES
 PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
-LAST_VERDICT_STEP = PLAN_STEP + (1 + MAX_TRIALS) * 2 * TRIAL_PAIRS  # auto has decided after this step
+
+
+def _verdict_step(plans: int) -> int:
+    """The coded step after a trial of `plans` plans: the trial's rounds run a step of each kind (coding, each
+    plan) from PLAN_STEP on."""
+    return PLAN_STEP + (1 + plans) * 2 * TRIAL_PAIRS
+
+
+LAST_VERDICT_STEP = _verdict_step(MAX_TRIALS)  # auto has decided after this step
 
 
 def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
@@ -143,7 +151,7 @@ class AutoPlan:
     @property
     def verdict_step(self) -> int:
         """The coded step that carries the step times (past it, auto has decided)."""
-        return PLAN_STEP + (1 + len(self.trials)) * 2 * TRIAL_PAIRS
+        return _verdict_step(len(self.trials))
 
     @property
     def decided(self) -> bool:
@@ -187,8 +195,9 @@ class AutoPlan:
         now = time.perf_counter() if now is None else now
         s, took = self.steps, None if self.step_end is None else now - self.step_end
         self.step_end = now
-        if took is not None and PLAN_STEP <= s < self.verdict_step:
-            self.times[self._kind(s)].append(took)
+        kind = self._kind(s)
+        if took is not None and kind is not None:
+            self.times[kind].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -203,18 +212,17 @@ class AutoPlan:
         self._in_force(self.kept if self.decided else self._trying(self.steps))
         self.groups, self.first, self.last = {}, None, None
 
-    def _kind(self, step: int) -> int:
-        """The kind of step `step` of the trial (PLAN_STEP <= step < verdict_step) is: 0 every group coded as the
-        model says, k the plan trials[k - 1]. Round r runs the kinds in order, or (r odd: the second of a pair)
-        in reverse."""
+    def _kind(self, step: int) -> int | None:
+        """The kind step `step` of the trial is: 0 every group coded as the model says, k the plan trials[k - 1];
+        None outside the trial. Round r runs the kinds in order, or (r odd: the second of a pair) in reverse."""
+        if not PLAN_STEP <= step < self.verdict_step:
+            return None
         kinds = 1 + len(self.trials)
         r, i = divmod(step - PLAN_STEP, kinds)
         return kinds - 1 - i if r % 2 else i
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
-        if not PLAN_STEP <= step < self.verdict_step:
-            return None
         k = self._kind(step)
         return k - 1 if k else None
 
