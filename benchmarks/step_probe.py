@@ -5,7 +5,12 @@ times: where a front end's own time goes, beside Horovod's and DDP's FP32.
         python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
 
 Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
-tensor left in float, nothing coded (the front end's own cost). --uncoded fp32|fp16 puts transport="auto"'s
+tensor left in float, nothing coded (the front end's own cost). Two suffixes on a Horovod TernGrad method (or
+`float`) take one of its costs away, to measure it, not to train with: `+unchecked` leaves its float averages
+unchecked (on_nonfinite="propagate"), `+naps` makes its waits nap 1 ms between polls from the start, as
+hvd.synchronize() does, where they spin first (hvd_terngrad.collectives). A method named twice runs twice;
+`fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them side by side
+in one job, each order both ways. --uncoded fp32|fp16 puts transport="auto"'s
 plan with every group uncoded in that wire in force from the first planned step, untried (the wire's own
 cost, beside Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed
 batch per rank; the median is over all but the first 50. Rank 0 prints a line per method.
@@ -18,6 +23,9 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
+
+SUFFIXES = ("+unchecked", "+naps")
 
 
 def build(method: str, model, data):
@@ -27,16 +35,61 @@ def build(method: str, model, data):
     import hvd_terngrad
     from hvd_terngrad.methods import build_ddp, build_optimizer, parse_method
 
+    method, suffixes = _suffixes(method)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if method == "float":
-        tg = hvd_terngrad.TernGrad(min_numel=2**62)
-        return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                                        compression=tg), tg
-    m = parse_method(method)
-    if m.ddp:
-        return build_ddp(m, model, 0.01, 0, momentum=0.9, exclude=(data.task.classifier,))
-    opt, tg = build_optimizer(m, model, sgd, 0, exclude=(data.task.classifier,))
-    return model, opt, tg
+    m = None if method == "float" else parse_method(method)
+    if m is not None and not _ours(m):
+        if m.ddp:
+            return build_ddp(m, model, 0.01, 0, momentum=0.9, exclude=(data.task.classifier,))
+        opt, tg = build_optimizer(m, model, sgd, 0, exclude=(data.task.classifier,))
+        return model, opt, tg
+    options = {"min_numel": 2**62} if m is None else {"exclude": (data.task.classifier,), **m.terngrad_options()}
+    if "+unchecked" in suffixes:
+        options["on_nonfinite"] = "propagate"
+    tg = hvd_terngrad.TernGrad(seed=0, **options)
+    return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                                    compression=tg), tg
+
+
+def _suffixes(method: str) -> tuple[str, list[str]]:
+    base, *rest = method.split("+")
+    return base, [f"+{s}" for s in rest]
+
+
+def _ours(m) -> bool:
+    """Whether a parsed method is hvd_terngrad's optimizer (what the suffixes change)."""
+    return m.compression == "terngrad" and not (m.ddp or m.stock)
+
+
+def check_methods(methods: list[str]) -> None:
+    """ValueError naming the first method that is not known, or whose suffixes are unknown or on a method they
+    do not change."""
+    from hvd_terngrad.methods import parse_method
+
+    for method in methods:
+        base, suffixes = _suffixes(method)
+        m = None if base == "float" else parse_method(base)
+        if any(x not in SUFFIXES for x in suffixes):
+            raise ValueError(f"{method}: the suffixes are {', '.join(SUFFIXES)}")
+        if suffixes and m is not None and not _ours(m):
+            raise ValueError(f"{method}: {', '.join(SUFFIXES)} go on hvd_terngrad's optimizer only")
+
+
+@contextmanager
+def _waits(method: str):
+    """With +naps, hvd_terngrad's waits nap 1 ms between polls from the first poll on (hvd.synchronize()'s
+    way), for this method's steps."""
+    import hvd_terngrad.collectives as coll
+
+    if "+naps" not in _suffixes(method)[1]:
+        yield
+        return
+    saved = coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S
+    coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S = 0.0, 1, 1e-9, 1e-3
+    try:
+        yield
+    finally:
+        coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S = saved
 
 
 def _force_uncoded(wire: str) -> None:
@@ -59,6 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    try:
+        check_methods(methods)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.uncoded:
         _force_uncoded(args.uncoded)
     if args.spin_s is not None:
@@ -78,19 +136,20 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
     data = Data(TASKS[args.task])
     idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
-    for method in args.methods.split(","):
+    for method in methods:
         torch.manual_seed(0)
         model = data.model()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         net, opt, tg = build(method, model, data)
         times, cpu = [], []
-        for _ in range(args.steps):
-            t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
-            opt.zero_grad()
-            data.loss(net, idx).backward()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-            cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
+        with _waits(method):
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
+                opt.zero_grad()
+                data.loss(net, idx).backward()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+                cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
         steps, cpus = times[50:], cpu[50:]  # past the first steps' warm-up
         q = statistics.quantiles(steps, n=100)
         line = (f"{args.task} {method}: median step {1e3 * statistics.median(steps):.2f} ms, mean "

@@ -1,0 +1,34 @@
+"""benchmarks.step_probe's probe-only suffixes: what they accept, and that +naps changes the waits for its own
+method only."""
+import pytest
+
+import hvd_terngrad.collectives as coll
+from benchmarks import step_probe
+
+WAITS = ("_SPIN_S", "_POLLS_PER_CLOCK", "_NAP_FRACTION", "_NAP_MAX_S")
+
+
+def _waits():
+    return tuple(getattr(coll, k) for k in WAITS)
+
+
+def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
+    step_probe.check_methods(["fp32", "float+unchecked", "terngrad:auto+unchecked+naps", "terngrad+naps"])
+    for bad, says in [("fp32+unchecked", "optimizer only"), ("ddp:terngrad:auto+naps", "optimizer only"),
+                      ("terngrad:stock+unchecked", "optimizer only"), ("terngrad:auto+fast", "the suffixes are"),
+                      ("terngrad:nope", "unknown|modifiers")]:
+        with pytest.raises(ValueError, match=says):
+            step_probe.check_methods(["fp32", bad])
+    with pytest.raises(SystemExit):  # before any collective: argparse's error
+        step_probe.main(["--methods", "fp32,fp16+naps"])
+
+
+def test_naps_nap_a_millisecond_from_the_first_poll_for_their_method_only():
+    before = _waits()
+    with step_probe._waits("terngrad:auto"):
+        assert _waits() == before
+    with pytest.raises(RuntimeError), step_probe._waits("terngrad:auto+naps"):
+        spin, polls, fraction, nap = _waits()
+        assert (spin, polls, nap) == (0.0, 1, 1e-3) and fraction < 1e-6  # min(waited / fraction, 1 ms): 1 ms
+        raise RuntimeError("a step that fails still puts the waits back")
+    assert _waits() == before
