@@ -62,22 +62,32 @@ class _Uncoded:
     average) tells every rank whose gradient it was. (Out of place, that check could wait for a bad step, but
     every step would pay an allocation and a copy, which cost more.)
 
+    A bucket that auto sends in fp32 travels as one copy, its gradients back to back in a buffer kept from step to
+    step (send_bucket), when they are all contiguous fp32 tensors on one device: one collective and one check a
+    bucket, where a tensor at a time costs a collective call and two reads of its gradient for the check
+    (measured: docs/time-to-accuracy.md, "Where the uncoded fp32 path's time goes"). The copy leaves each
+    rank's gradients as they were until the average is copied back, so whose gradient was non-finite is asked
+    in a bad step only.
+
     A tensor of a bucket that auto sends in fp16 travels as a copy at its scale (transports.uncoded), so its own
     check waits for a bad step: where its average is not finite the same Max allreduce asks whose gradient was,
     and where none was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its
     largest |average| is its next magnitude; one whose magnitude is not known goes in fp32 and is measured."""
 
-    __slots__ = ("world", "coder", "on_nonfinite", "wires", "floats", "halves", "sparse")
+    __slots__ = ("world", "coder", "on_nonfinite", "wires", "flat_wires", "floats", "flats", "halves", "sparse")
 
-    def __init__(self, world, coder, on_nonfinite: str, wires: dict):
+    def __init__(self, world, coder, on_nonfinite: str, wires: dict, flat_wires: dict):
         self.world, self.coder = world, coder
         self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
         # param -> the fp16 tensor its average travels in, kept from step to step (the optimizer's): an
         # allocation costs more than the conversion of a small tensor, and each step's averages are done before
         # the next step's start
         self.wires = wires
+        self.flat_wires = flat_wires  # bucket key -> the fp32 buffer its average travels in (the optimizer's)
         # param -> (whether its gradient was non-finite here, the handle of its average, whether it is measured)
         self.floats: dict = {}
+        # (names, the gradients' flat views, the buffer, the handle of its average), a bucket each (send_bucket)
+        self.flats: list = []
         self.halves: dict = {}  # param -> (its gradient, its scale, the handle of its fp16 average)
         self.sparse: dict = {}  # param -> handle of its sparse average
 
@@ -98,6 +108,22 @@ class _Uncoded:
         mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
         self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"), measure)
 
+    def send_bucket(self, key: str, names: list[str], grads: list[torch.Tensor]) -> bool:
+        """The fp32 average of a bucket's gradients as one copy (class docstring); False where they are not all
+        contiguous fp32 tensors on one device (then each goes by itself)."""
+        device = grads[0].device
+        if not all(g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads):
+            return False
+        views = [g.view(-1) for g in grads]
+        n = sum(v.numel() for v in views)
+        flat = self.flat_wires.get(key)
+        if flat is None or flat.numel() != n or flat.device != device:
+            flat = self.flat_wires[key] = torch.empty(n, dtype=torch.float32, device=device)
+        torch.cat(views, out=flat)
+        self.coder.stats.add_float(n * 4, self.world.size, tensors=len(grads))
+        self.flats.append((names, views, flat, self.world.average_async_(flat, name=f"terngrad.fp32.{key}")))
+        return True
+
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
         self.coder.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
@@ -115,22 +141,28 @@ class _Uncoded:
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h, measure) for p, (mine, h, measure) in self.floats.items()]
         halves = [(name_of[p], g, scale, h) for p, (g, scale, h) in self.halves.items()]
-        done = self.world.wait_all([f[2] for f in floats] + [h[3] for h in halves],
-                                   lambda i: f"the float average of {(floats + halves)[i][0]!r}")
-        averages, halved = done[:len(floats)], done[len(floats):]
+        waited = [(f"bucket {names[0]!r}", h) for names, _, _, h in self.flats] + [(repr(f[0]), f[2]) for f in floats] \
+            + [(repr(h[0]), h[3]) for h in halves]
+        done = self.world.wait_all([h for _, h in waited], lambda i: f"the float average of {waited[i][0]}")
+        k, m = len(self.flats), len(self.flats) + len(floats)
+        flat_bad = self._unflatten(done[:k])
+        averages, halved = done[k:m], done[m:]
         culprit, outgrown = self._checked(floats, averages), self._unscaled(halves, halved)
-        ask = culprit if self.on_nonfinite == "raise" else []
-        if not (ask or outgrown):
-            return bad + [(floats[i][0], -1) for i in culprit]
+        raising = self.on_nonfinite == "raise"
+        ask, flat_ask = (culprit, flat_bad) if raising else ([], [])
+        if not (ask or flat_ask or outgrown):
+            return bad + [(floats[i][0], -1) for i in culprit] + [(name, -1) for name, _ in flat_bad]
         me = float(self.world.rank + 1)
-        mine = [me if floats[i][1] else 0.0 for i in ask] + [me if nonfinite([halves[i][1]]) else 0.0
-                                                              for i in outgrown]
+        mine = [me if floats[i][1] else 0.0 for i in ask] + [me if m else 0.0 for _, m in flat_ask] \
+            + [me if nonfinite([halves[i][1]]) else 0.0 for i in outgrown]
         ranks = self.world.wait(self.world.max_allreduce_async(torch.tensor(mine), name="terngrad.float.nonfinite"),
                                 "the non-finite ranks of the float averages").tolist()
         bad += [(floats[i][0], int(r) - 1) for i, r in zip(ask, ranks)]
+        bad += [(name, int(r) - 1) for (name, _), r in zip(flat_ask, ranks[len(ask):])]
         bad += [(floats[i][0], -1) for i in culprit if i not in ask]
+        bad += [(name, -1) for name, _ in flat_bad if not raising]
         redo = []
-        for i, r in zip(outgrown, ranks[len(ask):]):
+        for i, r in zip(outgrown, ranks[len(ask) + len(flat_ask):]):
             name, g, scale, _ = halves[i]
             if r:  # a rank's gradient was not finite: its average is handed on as it is
                 self.coder.codec.from_half(halved[i], scale, out=g)
@@ -138,6 +170,18 @@ class _Uncoded:
             else:
                 redo.append((name, g))
         return bad + self._redo(redo)
+
+    def _unflatten(self, averages: list[torch.Tensor]) -> list[tuple[str, bool]]:
+        """Each bucket's flat average copied back into its gradients; (name, whether this rank's gradient was
+        non-finite) of the tensors whose average is not finite (none looked for with "propagate"). A rank's
+        gradients are its own until the copy back, so only a bad step reads them."""
+        bad = []
+        for (names, views, _, _), flat in zip(self.flats, averages):
+            parts = list(flat.split([v.numel() for v in views]))
+            if self.on_nonfinite != "propagate" and nonfinite([flat]):
+                bad += [(names[i], bool(nonfinite([views[i]]))) for i in nonfinite(parts)]
+            torch._foreach_copy_(views, parts)
+        return bad
 
     def _checked(self, floats: list, averages: list) -> list[int]:
         """The indices of the float averages that are not finite (none looked for with "propagate", but those
@@ -227,6 +271,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._plan()
 
         self._half_wires: dict = {}  # param -> its fp16 average's tensor (_Uncoded.wires)
+        self._flat_wires: dict = {}  # bucket key -> the buffer of its fp32 average (_Uncoded.flat_wires)
         self._uncoded = self._new_uncoded()
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
@@ -307,12 +352,13 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         wire = self._uncoded_wire(b)
         if wire:  # a coded tensor until the plan: its residual goes along
             self._pipe.coder.merge_residual(name, g)
-            self._uncoded.send(p, name, g, wire)
-            return
+            if wire == "fp16":  # fp32: the bucket at once, when it is whole (_bucket_member_ready)
+                self._uncoded.send(p, name, g, wire)
+                return
         self._bucket_member_ready(b, p)
 
     def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._half_wires)
+        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._half_wires, self._flat_wires)
 
     def _float_wire(self) -> str:
         """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,
@@ -320,9 +366,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         return self._pipe.float_wire() if self._hier is None else "fp32"
 
     def _uncoded_wire(self, b: _Bucket) -> str | None:
-        """The wire transport="auto" sends bucket b uncoded in (None: coded): then each of its tensors is averaged
-        as soon as it is ready, as the stock optimizer's are (Horovod fuses them). Hierarchical: the bucket's
-        float average inside the node comes first, so it goes through the pipeline, as one group."""
+        """The wire transport="auto" sends bucket b uncoded in (None: coded): in fp32 the whole bucket in one
+        average once its last tensor is ready (_Uncoded.send_bucket), in fp16 each tensor as soon as it is ready.
+        Hierarchical: the bucket's float average inside the node comes first, so it goes through the pipeline, as
+        one group."""
         return self._pipe.uncoded(b.key) if self._hier is None else None
 
     def _bucket_member_ready(self, b: _Bucket, p):
@@ -334,10 +381,21 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         b.coded = [q for q in b.params if q not in self._uncoded.sparse]
         if not b.coded:
             return
+        if self._uncoded_wire(b) == "fp32":
+            self._send_uncoded(b)
+            return
         if self._hier is not None and self._hier.local is not None:
             b.node_handles = self._hier.average_in_node([(self._name_of[q], self._grad(q)) for q in b.coded])
             return
         self._code(b)
+
+    def _send_uncoded(self, b: _Bucket):
+        """A whole bucket that auto sends in fp32: one average (each tensor's, where they cannot share one)."""
+        params, b.coded = b.coded, []  # nothing of it goes through the pipeline
+        names, grads = [self._name_of[q] for q in params], [self._grad(q) for q in params]
+        if not self._uncoded.send_bucket(b.key, names, grads):
+            for q, name, g in zip(params, names, grads):
+                self._uncoded.send_float(q, name, g)
 
     def _node_averaged(self, b: _Bucket):
         """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
@@ -408,9 +466,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         finally:
             self._pipe.next_step()
             if deciding and auto.decided:
-                # the verdict's step codes every group: the fp16 tensors of a trial go (half a gradient's bytes
-                # each), and a kept fp16 plan makes its own again on its first step
+                # the verdict's step codes every group: the fp16 tensors and fp32 buffers of a trial go (half
+                # or all of a gradient's bytes each), and a kept plan makes its own again on its first step
                 self._half_wires.clear()
+                self._flat_wires.clear()
 
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""

@@ -235,7 +235,7 @@ def body_frontends_auto(port):
     assert averaged_now  # the hook averaged its buckets itself, without the worker thread
     plans = [p.auto.coded for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
     floats = [p.stats.last.tensors_float for p in (state.pipeline, tg.pipeline, tg_stock.pipeline)]
-    assert floats == [len(list(model.parameters()))] * 3  # every tensor (the optimizer's: one by one)
+    assert floats == [len(list(model.parameters()))] * 3  # every tensor counted (the optimizer's in one buffer)
     out = ([G.digest(m.parameters()) for m in (model, ref, stock)], plans, floats)
     del ddp, state
     _close_gloo()

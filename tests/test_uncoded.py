@@ -260,15 +260,16 @@ def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding()
         assert kept[PLAN_STEP + 4:] == [0] * 4, kept  # none kept from the verdict on
 
 
-def body_optimizer_fp16_faults(on_nonfinite):
-    """hvd_terngrad's optimizer with the plan in force in fp16; at PLAN_STEP + 1 one tensor's gradient on rank 1
-    is NaN. What each rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
+def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16"):
+    """hvd_terngrad's optimizer with the plan in force in `wire` (fp32: a bucket's gradients in one flat average);
+    at PLAN_STEP + 1 one tensor's gradient on rank 1 is NaN. What each rank's step raised (raise), or each step's
+    (all finite, that tensor all NaN) (propagate)."""
     import horovod.torch as hvd
 
     import hvd_terngrad
 
     hvd_terngrad.auto.TRIAL_PAIRS = 0
-    hvd_terngrad.auto.WIRES = ("fp16",)
+    hvd_terngrad.auto.WIRES = (wire,)
     hvd.init()
     rank = hvd.rank()
     torch.set_num_threads(1)
@@ -287,21 +288,23 @@ def body_optimizer_fp16_faults(on_nonfinite):
         try:
             opt.synchronize()
         except NonFiniteGradientError as exc:
-            return str(exc), tg.pipeline.auto.wire
+            return str(exc), (tg.pipeline.auto.wire, sorted(opt._flat_wires))
         finite = all(bool(p.grad.isfinite().all()) for p in net.parameters())
         out.append((finite, bool(params["body.2.weight"].grad.isnan().all())))
         if finite:  # as AMP's GradScaler: a step with a non-finite gradient is skipped
             with opt.skip_synchronize():
                 opt.step()
-    return out, tg.pipeline.auto.wire
+    return out, (tg.pipeline.auto.wire, sorted(opt._flat_wires))
 
 
 @pytest.mark.mpi
-def test_a_nan_in_an_fp16_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on():
-    for message, wire in run_ranks("tests.test_uncoded:body_optimizer_fp16_faults", np=2, timeout=120,
-                                   args=("raise",)):
-        assert wire == "fp16" and f"'body.2.weight' on rank 1 at step {PLAN_STEP + 1}" in message, message
-    for steps, wire in run_ranks("tests.test_uncoded:body_optimizer_fp16_faults", np=2, timeout=120,
-                                 args=("propagate",)):
-        assert wire == "fp16"
+@pytest.mark.parametrize("wire", ["fp16", "fp32"])
+def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on(wire):
+    flat = ["bucket.0"] if wire == "fp32" else []  # fp32: the bucket in one buffer, kept from step to step
+    for message, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
+                                  args=("raise", wire)):
+        assert how == (wire, flat) and f"'body.2.weight' on rank 1 at step {PLAN_STEP + 1}" in message, message
+    for steps, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
+                                args=("propagate", wire)):
+        assert how == (wire, flat)
         assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
