@@ -59,8 +59,8 @@ class _Uncoded:
     A float average is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
     on_nonfinite="propagate" hands it on as it is. Where a non-finite average raises ("raise"), each rank
     checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
-    average) tells every rank whose gradient it was. (Out of place, that check could wait for a bad step, but
-    every step would pay an allocation and a copy, which cost more.)
+    average) tells every rank whose gradient it was. (Out of place, a tensor's check could wait for a bad step,
+    but every step would pay an allocation and a copy a tensor, which cost more.)
 
     A bucket that auto sends in fp32 travels as one copy, its gradients back to back in a buffer kept from step to
     step (send_bucket), when they are all contiguous fp32 tensors on one device: one collective and one check a
@@ -153,7 +153,7 @@ class _Uncoded:
         if not (ask or flat_ask or outgrown):
             return bad + [(floats[i][0], -1) for i in culprit] + [(name, -1) for name, _ in flat_bad]
         me = float(self.world.rank + 1)
-        mine = [me if floats[i][1] else 0.0 for i in ask] + [me if m else 0.0 for _, m in flat_ask] \
+        mine = [me if floats[i][1] else 0.0 for i in ask] + [me if own else 0.0 for _, own in flat_ask] \
             + [me if nonfinite([halves[i][1]]) else 0.0 for i in outgrown]
         ranks = self.world.wait(self.world.max_allreduce_async(torch.tensor(mine), name="terngrad.float.nonfinite"),
                                 "the non-finite ranks of the float averages").tolist()
