@@ -36,19 +36,17 @@ def build(method: str, model, data):
     from hvd_terngrad.methods import build_ddp, build_optimizer, parse_method
 
     method, suffixes = _suffixes(method)
+    options = {"on_nonfinite": "propagate"} if "+unchecked" in suffixes else {}
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    m = None if method == "float" else parse_method(method)
-    if m is not None and not _ours(m):
-        if m.ddp:
-            return build_ddp(m, model, 0.01, 0, momentum=0.9, exclude=(data.task.classifier,))
-        opt, tg = build_optimizer(m, model, sgd, 0, exclude=(data.task.classifier,))
-        return model, opt, tg
-    options = {"min_numel": 2**62} if m is None else {"exclude": (data.task.classifier,), **m.terngrad_options()}
-    if "+unchecked" in suffixes:
-        options["on_nonfinite"] = "propagate"
-    tg = hvd_terngrad.TernGrad(seed=0, **options)
-    return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                                    compression=tg), tg
+    if method == "float":
+        tg = hvd_terngrad.TernGrad(min_numel=2**62, **options)
+        return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                                        compression=tg), tg
+    m = parse_method(method)
+    if m.ddp:
+        return build_ddp(m, model, 0.01, 0, momentum=0.9, exclude=(data.task.classifier,))
+    opt, tg = build_optimizer(m, model, sgd, 0, exclude=(data.task.classifier,), **options)
+    return model, opt, tg
 
 
 def _suffixes(method: str) -> tuple[str, list[str]]:

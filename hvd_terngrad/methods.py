@@ -150,9 +150,9 @@ def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: fl
     return module, torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum), state
 
 
-def build_optimizer(method: Method, model, base, seed: int = 0, exclude=()):
+def build_optimizer(method: Method, model, base, seed: int = 0, exclude=(), **options):
     """(Horovod optimizer wrapping `base`, the TernGrad compressor or None) for `method`; exclude: TernGrad's
-    (parameter-name patterns left in float)."""
+    (parameter-name patterns left in float); options: more of TernGrad's, for hvd_terngrad's optimizer."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -167,7 +167,7 @@ def build_optimizer(method: Method, model, base, seed: int = 0, exclude=()):
     if method.stock:
         tg = hvd_terngrad.TernGrad(named, seed=seed, exclude=exclude, **method.terngrad_options())
         return hvd.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
-    tg = hvd_terngrad.TernGrad(seed=seed, exclude=exclude, **method.terngrad_options())
+    tg = hvd_terngrad.TernGrad(seed=seed, exclude=exclude, **method.terngrad_options(), **options)
     return hvd_terngrad.DistributedOptimizer(base, named_parameters=named, compression=tg), tg
 
 
