@@ -308,3 +308,54 @@ def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_ra
                                 args=("propagate", wire)):
         assert how == (wire, flat)
         assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
+
+
+class _WithFp64(torch.nn.Module):
+    """G.Net beside an fp64 parameter big enough to be coded: one bucket of mixed dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = G.Net()
+        self.bias64 = torch.nn.Parameter(torch.linspace(-1, 1, 320, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.net(x) + self.bias64.float()[:5] * self.bias64.float().mean()
+
+
+def body_optimizer_mixed_fp32_bucket():
+    """hvd_terngrad's optimizer with the plan in force in fp32 on a bucket of fp32 and fp64 gradients; after the
+    plan, one step beside Horovod's own optimizer on a twin with the same weights: (the buffers it kept, whether
+    each averaged gradient is the same bits as Horovod's)."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
+    hvd_terngrad.auto.WIRES = ("fp32",)
+    hvd.init()
+    rank = hvd.rank()
+    torch.set_num_threads(1)
+    ours, twin = _WithFp64(), _WithFp64()
+    tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0)
+    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
+                                            named_parameters=ours.named_parameters(), compression=tg)
+    for step in range(PLAN_STEP + 2):  # coded until the plan, then uncoded
+        opt.zero_grad()
+        G.loss(ours, rank, step).backward()
+        opt.step()
+    assert tg.pipeline.auto.wire == "fp32" and not tg.pipeline.auto.coded
+    twin.load_state_dict(ours.state_dict())
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
+                                     named_parameters=twin.named_parameters())
+    for net, o in ((ours, opt), (twin, plain)):
+        o.zero_grad()
+        G.loss(net, rank, PLAN_STEP + 2).backward()
+        o.synchronize()
+    return sorted(opt._flat_wires), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(),
+                                                                              twin.parameters())]
+
+
+@pytest.mark.mpi
+def test_a_bucket_that_cannot_share_one_fp32_buffer_is_averaged_a_tensor_at_a_time_as_horovod_does():
+    for flat, same in run_ranks("tests.test_uncoded:body_optimizer_mixed_fp32_bucket", np=2, timeout=120):
+        assert flat == [] and all(same), (flat, same)
