@@ -62,19 +62,20 @@ class _Uncoded:
     average) tells every rank whose gradient it was. (Out of place, a tensor's check could wait for a bad step,
     but every step would pay an allocation and a copy a tensor, which cost more.)
 
-    A bucket that auto sends in fp32 travels as one copy, its gradients back to back in a buffer kept from step to
-    step (send_bucket), when they are all contiguous fp32 tensors on one device: one collective and one check a
-    bucket, where a tensor at a time costs a collective call and two reads of its gradient for the check
-    (measured: docs/time-to-accuracy.md, "Where the uncoded fp32 path's time goes"). The copy leaves each
-    rank's gradients as they were until the average is copied back, so whose gradient was non-finite is asked
-    in a bad step only.
+    A bucket that auto sends in fp32, and the step's tensors that are never coded where they travel in fp32, go
+    as one copy each, their gradients back to back in a buffer kept from step to step (send_flat), when they
+    are all contiguous fp32 tensors on one device: one collective and one check a group, where a tensor at a
+    time costs a collective call and two reads of its gradient for the check (measured: docs/time-to-accuracy.md,
+    "Where the uncoded fp32 path's time goes"). The copy leaves each rank's gradients as they were until the
+    average is copied back, so whose gradient was non-finite is asked in a bad step only.
 
     A tensor of a bucket that auto sends in fp16 travels as a copy at its scale (transports.uncoded), so its own
     check waits for a bad step: where its average is not finite the same Max allreduce asks whose gradient was,
     and where none was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its
     largest |average| is its next magnitude; one whose magnitude is not known goes in fp32 and is measured."""
 
-    __slots__ = ("world", "coder", "on_nonfinite", "wires", "flat_wires", "floats", "flats", "halves", "sparse")
+    __slots__ = ("world", "coder", "on_nonfinite", "wires", "flat_wires", "floats", "flats", "halves", "sparse",
+                 "loose")
 
     def __init__(self, world, coder, on_nonfinite: str, wires: dict, flat_wires: dict):
         self.world, self.coder = world, coder
@@ -83,13 +84,15 @@ class _Uncoded:
         # allocation costs more than the conversion of a small tensor, and each step's averages are done before
         # the next step's start
         self.wires = wires
-        self.flat_wires = flat_wires  # bucket key -> the fp32 buffer its average travels in (the optimizer's)
+        self.flat_wires = flat_wires  # group key -> the fp32 buffer its average travels in (the optimizer's)
         # param -> (whether its gradient was non-finite here, the handle of its average, whether it is measured)
         self.floats: dict = {}
-        # (names, the gradients' flat views, the buffer, the handle of its average), a bucket each (send_bucket)
+        # (what it is, names, the gradients' flat views, the buffer, the handle of its average), a group each
+        # (send_flat)
         self.flats: list = []
         self.halves: dict = {}  # param -> (its gradient, its scale, the handle of its fp16 average)
         self.sparse: dict = {}  # param -> handle of its sparse average
+        self.loose: set = set()  # the tensors never coded that are ready, where they wait for one another (fp32)
 
     def send(self, p, name: str, g: torch.Tensor, wire: str = "fp32") -> None:
         scale = half_scale(self.coder.magnitude(name), self.world.size) if wire == "fp16" else None
@@ -108,9 +111,9 @@ class _Uncoded:
         mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
         self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"), measure)
 
-    def send_bucket(self, key: str, names: list[str], grads: list[torch.Tensor]) -> bool:
-        """The fp32 average of a bucket's gradients as one copy (class docstring); False where they are not all
-        contiguous fp32 tensors on one device (then each goes by itself)."""
+    def send_flat(self, key: str, what: str, names: list[str], grads: list[torch.Tensor]) -> bool:
+        """The fp32 average of a group's gradients as one copy (class docstring), `what` naming the group in a
+        timeout; False where they are not all contiguous fp32 tensors on one device (then each goes by itself)."""
         device = grads[0].device
         if not all(g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads):
             return False
@@ -121,7 +124,8 @@ class _Uncoded:
             flat = self.flat_wires[key] = torch.empty(n, dtype=torch.float32, device=device)
         torch.cat(views, out=flat)
         self.coder.stats.add_float(n * 4, self.world.size, tensors=len(grads))
-        self.flats.append((names, views, flat, self.world.average_async_(flat, name=f"terngrad.fp32.{key}")))
+        h = self.world.average_async_(flat, name=f"terngrad.fp32.{key}")
+        self.flats.append((what, names, views, flat, h))
         return True
 
     def send_sparse(self, p, name: str) -> None:
@@ -141,7 +145,7 @@ class _Uncoded:
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h, measure) for p, (mine, h, measure) in self.floats.items()]
         halves = [(name_of[p], g, scale, h) for p, (g, scale, h) in self.halves.items()]
-        waited = [(f"bucket {names[0]!r}", h) for names, _, _, h in self.flats] + [(repr(f[0]), f[2]) for f in floats] \
+        waited = [(what, h) for what, _, _, _, h in self.flats] + [(repr(f[0]), f[2]) for f in floats] \
             + [(repr(h[0]), h[3]) for h in halves]
         done = self.world.wait_all([h for _, h in waited], lambda i: f"the float average of {waited[i][0]}")
         k, m = len(self.flats), len(self.flats) + len(floats)
@@ -176,7 +180,7 @@ class _Uncoded:
         non-finite) of the tensors whose average is not finite (none looked for with "propagate"). A rank's
         gradients are its own until the copy back, so only a bad step reads them."""
         bad = []
-        for (names, views, _, _), flat in zip(self.flats, averages):
+        for (_, names, views, _, _), flat in zip(self.flats, averages):
             parts = list(flat.split([v.numel() for v in views]))
             if self.on_nonfinite != "propagate" and nonfinite([flat]):
                 bad += [(names[i], bool(nonfinite([views[i]]))) for i in nonfinite(parts)]
@@ -271,7 +275,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._plan()
 
         self._half_wires: dict = {}  # param -> its fp16 average's tensor (_Uncoded.wires)
-        self._flat_wires: dict = {}  # bucket key -> the buffer of its fp32 average (_Uncoded.flat_wires)
+        self._flat_wires: dict = {}  # group key -> the buffer of its fp32 average (_Uncoded.flat_wires)
         self._uncoded = self._new_uncoded()
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
@@ -288,6 +292,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                                  self._bucket_bytes)
         self._buckets: list[_Bucket] = [_Bucket(k, [self._named[i][1] for i in g]) for k, g in enumerate(groups)]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._loose = [p for _, p in self._named if p not in self._bucket_of]  # never coded, in named order
 
     def add_param_group(self, param_group):
         """torch's add_param_group; its parameters are averaged from the next backward on, named by their place
@@ -342,12 +347,14 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._uncoded.send_sparse(p, name)
                 if b is not None:
                     self._bucket_member_ready(b, p)
+                else:
+                    self._loose_ready(p)
                 return
             self._densified[p] = p.grad.to_dense()
         g = self._grad(p)
         self._pipe.coder.check_dtype(name, g)
         if b is None:
-            self._uncoded.send(p, name, g, self._float_wire())
+            self._loose_ready(p)
             return
         wire = self._uncoded_wire(b)
         if wire:  # a coded tensor until the plan: its residual goes along
@@ -356,6 +363,21 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                 self._uncoded.send(p, name, g, wire)
                 return
         self._bucket_member_ready(b, p)
+
+    def _loose_ready(self, p):
+        """A tensor that is never coded is ready. In fp16 it goes at once; in fp32 the step's never-coded tensors
+        go together once the last is ready (in named order, the same on every rank): one average and one check,
+        where one each cost more than the overlap bought (docs/time-to-accuracy.md, "One average a group")."""
+        wire = self._float_wire()
+        if wire != "fp32":
+            if p not in self._uncoded.sparse:
+                self._uncoded.send(p, self._name_of[p], self._grad(p), wire)
+            return
+        self._uncoded.loose.add(p)
+        if len(self._uncoded.loose) == len(self._loose):
+            dense = [q for q in self._loose if q not in self._uncoded.sparse]
+            if dense:
+                self._send_flat("never-coded", dense, _what("the tensors never coded", self._name_of, dense))
 
     def _new_uncoded(self) -> _Uncoded:
         return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._half_wires, self._flat_wires)
@@ -367,7 +389,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     def _uncoded_wire(self, b: _Bucket) -> str | None:
         """The wire transport="auto" sends bucket b uncoded in (None: coded): in fp32 the whole bucket in one
-        average once its last tensor is ready (_Uncoded.send_bucket), in fp16 each tensor as soon as it is ready.
+        average once its last tensor is ready (_Uncoded.send_flat), in fp16 each tensor as soon as it is ready.
         Hierarchical: the bucket's float average inside the node comes first, so it goes through the pipeline, as
         one group."""
         return self._pipe.uncoded(b.key) if self._hier is None else None
@@ -390,10 +412,15 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._code(b)
 
     def _send_uncoded(self, b: _Bucket):
-        """A whole bucket that auto sends in fp32: one average (each tensor's, where they cannot share one)."""
+        """A whole bucket that auto sends in fp32: one average (_send_flat)."""
+        what = self._what_bucket(b)
         params, b.coded = b.coded, []  # nothing of it goes through the pipeline
+        self._send_flat(b.key, params, what)
+
+    def _send_flat(self, key: str, params: list, what: str):
+        """One fp32 average of these gradients (_Uncoded.send_flat), or each tensor's where they cannot share one."""
         names, grads = [self._name_of[q] for q in params], [self._grad(q) for q in params]
-        if not self._uncoded.send_bucket(b.key, names, grads):
+        if not self._uncoded.send_flat(key, what, names, grads):
             for q, name, g in zip(params, names, grads):
                 self._uncoded.send_float(q, name, g)
 
@@ -419,8 +446,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
 
     def _what_bucket(self, b: _Bucket) -> str:
         """A bucket in an error: named by its first tensor, the one a user can look for."""
-        more = f" and {len(b.coded) - 1} more" if len(b.coded) > 1 else ""
-        return f"bucket {b.index} ({self._name_of[b.coded[0]]!r}{more})"
+        return _what(f"bucket {b.index}", self._name_of, b.coded)
 
     # ------------------------------------------------------------------------------------------
     def synchronize(self):
@@ -475,6 +501,12 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
         self._pipe.finish_into(b.group, [self._grad(p) for p in b.coded])
         return self._pipe.nonfinite(b.group)
+
+
+def _what(group: str, name_of: dict, params: list) -> str:
+    """A group of tensors in an error, named by its first tensor: "bucket 3 ('fc.weight' and 2 more)"."""
+    more = f" and {len(params) - 1} more" if len(params) > 1 else ""
+    return f"{group} ({name_of[params[0]]!r}{more})"
 
 
 def _skips(cfg, pipe, bad: list, float_bad: list[tuple[str, int]], rank: int) -> bool:

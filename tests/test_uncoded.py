@@ -260,10 +260,10 @@ def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding()
         assert kept[PLAN_STEP + 4:] == [0] * 4, kept  # none kept from the verdict on
 
 
-def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16"):
-    """hvd_terngrad's optimizer with the plan in force in `wire` (fp32: a bucket's gradients in one flat average);
-    at PLAN_STEP + 1 one tensor's gradient on rank 1 is NaN. What each rank's step raised (raise), or each step's
-    (all finite, that tensor all NaN) (propagate)."""
+def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weight"):
+    """hvd_terngrad's optimizer with the plan in force in `wire` (fp32: a bucket's gradients in one flat average,
+    and the tensors never coded in another); at PLAN_STEP + 1 `tensor`'s gradient on rank 1 is NaN. What each
+    rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -276,7 +276,7 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16"):
     net = G.Net()
     at = [0]
     params = dict(net.named_parameters())
-    params["body.2.weight"].register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, PLAN_STEP + 1) else g)
+    params[tensor].register_hook(lambda g: g * math.nan if (rank, at[0]) == (1, PLAN_STEP + 1) else g)
     tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0, on_nonfinite=on_nonfinite)
     opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0),
                                             named_parameters=net.named_parameters(), compression=tg)
@@ -290,7 +290,7 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16"):
         except NonFiniteGradientError as exc:
             return str(exc), (tg.pipeline.auto.wire, sorted(opt._flat_wires))
         finite = all(bool(p.grad.isfinite().all()) for p in net.parameters())
-        out.append((finite, bool(params["body.2.weight"].grad.isnan().all())))
+        out.append((finite, bool(params[tensor].grad.isnan().all())))
         if finite:  # as AMP's GradScaler: a step with a non-finite gradient is skipped
             with opt.skip_synchronize():
                 opt.step()
@@ -298,14 +298,16 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16"):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("wire", ["fp16", "fp32"])
-def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on(wire):
-    flat = ["bucket.0"] if wire == "fp32" else []  # fp32: the bucket in one buffer, kept from step to step
+@pytest.mark.parametrize("wire, tensor", [("fp16", "body.2.weight"), ("fp32", "body.2.weight"),
+                                          ("fp32", "head.weight")])  # head.*: excluded, never coded
+def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on(wire, tensor):
+    # fp32: the bucket in one buffer and the tensors never coded in another, kept from step to step
+    flat = ["bucket.0", "never-coded"] if wire == "fp32" else []
     for message, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
-                                  args=("raise", wire)):
-        assert how == (wire, flat) and f"'body.2.weight' on rank 1 at step {PLAN_STEP + 1}" in message, message
+                                  args=("raise", wire, tensor)):
+        assert how == (wire, flat) and f"{tensor!r} on rank 1 at step {PLAN_STEP + 1}" in message, message
     for steps, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
-                                args=("propagate", wire)):
+                                args=("propagate", wire, tensor)):
         assert how == (wire, flat)
         assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
 
@@ -358,4 +360,4 @@ def body_optimizer_mixed_fp32_bucket():
 @pytest.mark.mpi
 def test_a_bucket_that_cannot_share_one_fp32_buffer_is_averaged_a_tensor_at_a_time_as_horovod_does():
     for flat, same in run_ranks("tests.test_uncoded:body_optimizer_mixed_fp32_bucket", np=2, timeout=120):
-        assert flat == [] and all(same), (flat, same)
+        assert flat == ["never-coded"] and all(same), (flat, same)  # the bucket: a tensor at a time
