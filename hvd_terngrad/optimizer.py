@@ -56,11 +56,11 @@ class _Uncoded:
     sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
     of indices and values).
 
-    A float average is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
+    A float average that goes by itself (send_float: a tensor that cannot share a group's buffer, or one an fp16
+    plan measures) is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
     on_nonfinite="propagate" hands it on as it is. Where a non-finite average raises ("raise"), each rank
     checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
-    average) tells every rank whose gradient it was. (Out of place, a tensor's check could wait for a bad step,
-    but every step would pay an allocation and a copy a tensor, which cost more.)
+    average) tells every rank whose gradient it was.
 
     A bucket that auto sends in fp32, and the step's tensors that are never coded where they travel in fp32, go
     as one copy each, their gradients back to back in a buffer kept from step to step (send_flat), when they
