@@ -176,7 +176,7 @@ class _Uncoded:
         return bad + self._redo(redo)
 
     def _unflatten(self, averages: list[torch.Tensor]) -> list[tuple[str, bool]]:
-        """Each bucket's flat average copied back into its gradients; (name, whether this rank's gradient was
+        """Each group's flat average copied back into its gradients; (name, whether this rank's gradient was
         non-finite) of the tensors whose average is not finite (none looked for with "propagate"). A rank's
         gradients are its own until the copy back, so only a bad step reads them."""
         bad = []
