@@ -56,77 +56,94 @@ class _Uncoded:
     sends uncoded, as float averages; sparse gradients averaged exactly as Horovod averages them (an allgather
     of indices and values).
 
+    A group (an uncoded bucket, or the step's tensors that are never coded) goes as one copy, once its last
+    tensor is ready: its gradients back to back in a buffer kept from step to step, one collective and one check
+    a group, where a tensor at a time costs a collective call each, and in fp32 two reads of its gradient for the
+    check (measured: docs/time-to-accuracy.md, "One average a group"). The copy leaves each rank's gradients as
+    they were until the average is copied back, so whose gradient was non-finite is asked in a bad step only.
+    - fp32: where the gradients are all contiguous fp32 tensors on one device (send_group).
+    - fp16: each tensor at its scale in a slice of the buffer (transports.uncoded), where they are on one device.
+      Where a tensor's average is not finite, the same Max allreduce asks whose gradient was, and where none
+      was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its largest
+      |average| is its next magnitude; one whose magnitude is not known goes by itself in fp32 and is measured.
+
     A float average that goes by itself (send_float: a tensor that cannot share a group's buffer, or one an fp16
-    plan measures) is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
+    group measures) is made in place, as Horovod makes it, and checked (a sum: hvd_terngrad.finite) unless
     on_nonfinite="propagate" hands it on as it is. Where a non-finite average raises ("raise"), each rank
     checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
-    average) tells every rank whose gradient it was.
+    average) tells every rank whose gradient it was."""
 
-    A bucket that auto sends in fp32, and the step's tensors that are never coded where they travel in fp32, go
-    as one copy each, their gradients back to back in a buffer kept from step to step (send_flat), when they
-    are all contiguous fp32 tensors on one device: one collective and one check a group, where a tensor at a
-    time costs a collective call and two reads of its gradient for the check (measured: docs/time-to-accuracy.md,
-    "Where the uncoded fp32 path's time goes"). The copy leaves each rank's gradients as they were until the
-    average is copied back, so whose gradient was non-finite is asked in a bad step only.
+    __slots__ = ("world", "coder", "on_nonfinite", "kept", "floats", "flats", "halves", "sparse", "loose")
 
-    A tensor of a bucket that auto sends in fp16 travels as a copy at its scale (transports.uncoded), so its own
-    check waits for a bad step: where its average is not finite the same Max allreduce asks whose gradient was,
-    and where none was, the gradient outgrew its scale and every rank averages it again in fp32, in place. Its
-    largest |average| is its next magnitude; one whose magnitude is not known goes in fp32 and is measured."""
-
-    __slots__ = ("world", "coder", "on_nonfinite", "wires", "flat_wires", "floats", "flats", "halves", "sparse",
-                 "loose")
-
-    def __init__(self, world, coder, on_nonfinite: str, wires: dict, flat_wires: dict):
+    def __init__(self, world, coder, on_nonfinite: str, kept: dict):
         self.world, self.coder = world, coder
         self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
-        # param -> the fp16 tensor its average travels in, kept from step to step (the optimizer's): an
-        # allocation costs more than the conversion of a small tensor, and each step's averages are done before
-        # the next step's start
-        self.wires = wires
-        self.flat_wires = flat_wires  # group key -> the fp32 buffer its average travels in (the optimizer's)
+        # (wire, group key) -> the buffer a group's average travels in, kept from step to step (the optimizer's):
+        # an allocation costs more than the copy of a small group, and each step's averages are done before the
+        # next step's start
+        self.kept = kept
         # param -> (whether its gradient was non-finite here, the handle of its average, whether it is measured)
         self.floats: dict = {}
-        # (what it is, names, the gradients' flat views, the buffer, the handle of its average), a group each
-        # (send_flat)
-        self.flats: list = []
-        self.halves: dict = {}  # param -> (its gradient, its scale, the handle of its fp16 average)
+        self.flats: list = []  # fp32 groups: (what it is, names, the gradients' flat views, buffer, handle)
+        self.halves: list = []  # fp16 groups: (what it is, [(name, gradient, scale)], buffer, handle)
         self.sparse: dict = {}  # param -> handle of its sparse average
-        self.loose: set = set()  # the tensors never coded that are ready, where they wait for one another (fp32)
+        self.loose: set = set()  # the tensors never coded that are ready, where they wait for one another
 
-    def send(self, p, name: str, g: torch.Tensor, wire: str = "fp32") -> None:
-        scale = half_scale(self.coder.magnitude(name), self.world.size) if wire == "fp16" else None
-        if scale is None:
-            self.send_float(p, name, g, measure=wire == "fp16")
+    def send_group(self, key: str, what: str, params: list, names: list[str], grads: list[torch.Tensor],
+                   wire: str) -> None:
+        """A group's average in `wire` as one copy (class docstring), `what` naming it in a timeout; each tensor
+        by itself where they cannot share one buffer."""
+        if wire == "fp16":
+            self._send_half(key, what, params, names, grads)
             return
-        self.coder.stats.add_float(g.numel() * 2, self.world.size)
-        half = self.wires.get(p)
-        if half is None or half.shape != g.shape or half.device != g.device:
-            half = self.wires[p] = torch.empty(g.shape, dtype=torch.float16, device=g.device)
-        self.coder.codec.to_half(g, scale, out=half)
-        self.halves[p] = (g, scale, self.world.average_async_(half, name=f"terngrad.fp16.{name}"))
+        device = grads[0].device
+        if not all(g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads):
+            for p, name, g in zip(params, names, grads):
+                self.send_float(p, name, g)
+            return
+        views = [g.view(-1) for g in grads]
+        flat = self._buffer("fp32", key, sum(v.numel() for v in views), device)
+        torch.cat(views, out=flat)
+        self.coder.stats.add_float(flat.numel() * 4, self.world.size, tensors=len(grads))
+        self.flats.append((what, names, views, flat, self.world.average_async_(flat, name=f"terngrad.fp32.{key}")))
 
     def send_float(self, p, name: str, g: torch.Tensor, measure: bool = False) -> None:
         self.coder.stats.add_float(g.numel() * g.element_size(), self.world.size)
         mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
         self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"), measure)
 
-    def send_flat(self, key: str, what: str, names: list[str], grads: list[torch.Tensor]) -> bool:
-        """The fp32 average of a group's gradients as one copy (class docstring), `what` naming the group in a
-        timeout; False where they are not all contiguous fp32 tensors on one device (then each goes by itself)."""
-        device = grads[0].device
-        if not all(g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads):
-            return False
-        views = [g.view(-1) for g in grads]
-        n = sum(v.numel() for v in views)
-        flat = self.flat_wires.get(key)
-        if flat is None or flat.numel() != n or flat.device != device:
-            flat = self.flat_wires[key] = torch.empty(n, dtype=torch.float32, device=device)
-        torch.cat(views, out=flat)
-        self.coder.stats.add_float(n * 4, self.world.size, tensors=len(grads))
-        h = self.world.average_async_(flat, name=f"terngrad.fp32.{key}")
-        self.flats.append((what, names, views, flat, h))
-        return True
+    def _send_half(self, key: str, what: str, params: list, names: list[str], grads: list[torch.Tensor]) -> None:
+        """The fp16 group: the tensors whose magnitude is known at their scales in one copy (each by itself where
+        they are not on one device), the others by themselves in fp32, measured."""
+        members = []
+        for p, name, g in zip(params, names, grads):
+            scale = half_scale(self.coder.magnitude(name), self.world.size)
+            if scale is None:
+                self.send_float(p, name, g, measure=True)
+            else:
+                members.append((name, g, scale))
+        if len({g.device for _, g, _ in members}) > 1:
+            for m in members:
+                self._send_halves(m[0], repr(m[0]), [m])
+        elif members:
+            self._send_halves(key, what, members)
+
+    def _send_halves(self, key: str, what: str, members: list) -> None:
+        buf = self._buffer("fp16", key, sum(g.numel() for _, g, _ in members), members[0][1].device)
+        off = 0
+        for _, g, scale in members:
+            self.coder.codec.to_half(g, scale, out=buf[off: off + g.numel()])
+            off += g.numel()
+        self.coder.stats.add_float(buf.numel() * 2, self.world.size, tensors=len(members))
+        self.halves.append((what, members, buf, self.world.average_async_(buf, name=f"terngrad.fp16.{key}")))
+
+    def _buffer(self, wire: str, key: str, n: int, device) -> torch.Tensor:
+        """The kept buffer of a group's average in `wire`, remade where its size or device changed."""
+        buf = self.kept.get((wire, key))
+        if buf is None or buf.numel() != n or buf.device != device:
+            dtype = torch.float16 if wire == "fp16" else torch.float32
+            buf = self.kept[(wire, key)] = torch.empty(n, dtype=dtype, device=device)
+        return buf
 
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
@@ -144,13 +161,15 @@ class _Uncoded:
             if not bool(torch.isfinite(avg._values()).all()):
                 bad.append((name_of[p], -1))
         floats = [(name_of[p], mine, h, measure) for p, (mine, h, measure) in self.floats.items()]
-        halves = [(name_of[p], g, scale, h) for p, (g, scale, h) in self.halves.items()]
         waited = [(what, h) for what, _, _, _, h in self.flats] + [(repr(f[0]), f[2]) for f in floats] \
-            + [(repr(h[0]), h[3]) for h in halves]
+            + [(what, h) for what, _, _, h in self.halves]
         done = self.world.wait_all([h for _, h in waited], lambda i: f"the float average of {waited[i][0]}")
         k, m = len(self.flats), len(self.flats) + len(floats)
         flat_bad = self._unflatten(done[:k])
-        averages, halved = done[k:m], done[m:]
+        averages = done[k:m]
+        halves = [member for _, members, _, _ in self.halves for member in members]  # (name, gradient, scale)
+        halved = [part for (_, members, _, _), avg in zip(self.halves, done[m:])
+                  for part in avg.split([g.numel() for _, g, _ in members])]
         culprit, outgrown = self._checked(floats, averages), self._unscaled(halves, halved)
         raising = self.on_nonfinite == "raise"
         ask, flat_ask = (culprit, flat_bad) if raising else ([], [])
@@ -167,7 +186,7 @@ class _Uncoded:
         bad += [(name, -1) for name, _ in flat_bad if not raising]
         redo = []
         for i, r in zip(outgrown, ranks[len(ask) + len(flat_ask):]):
-            name, g, scale, _ = halves[i]
+            name, g, scale = halves[i]
             if r:  # a rank's gradient was not finite: its average is handed on as it is
                 self.coder.codec.from_half(halved[i], scale, out=g)
                 bad.append((name, int(r) - 1))
@@ -204,7 +223,7 @@ class _Uncoded:
         """Each finite fp16 average divided into its gradient, its largest |average| the next magnitude; the
         indices of the others (a NaN somewhere, or a gradient past its scale), whose gradients stay as they were
         until the ranks have said whose it was."""
-        return [i for i, ((name, g, scale, _), avg) in enumerate(zip(halves, halved))
+        return [i for i, ((name, g, scale), avg) in enumerate(zip(halves, halved))
                 if not self.coder.measure(name, avg, scale, out=g)]
 
     def _redo(self, outgrown: list) -> list[tuple[str, int]]:
@@ -274,8 +293,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._bucket_bytes = bucket_bytes
         self._plan()
 
-        self._half_wires: dict = {}  # param -> its fp16 average's tensor (_Uncoded.wires)
-        self._flat_wires: dict = {}  # group key -> the buffer of its fp32 average (_Uncoded.flat_wires)
+        self._kept: dict = {}  # (wire, group key) -> the buffer its average travels in (_Uncoded.kept)
         self._uncoded = self._new_uncoded()
         self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
         self._fired = set()
@@ -356,31 +374,23 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if b is None:
             self._loose_ready(p)
             return
-        wire = self._uncoded_wire(b)
-        if wire:  # a coded tensor until the plan: its residual goes along
+        if self._uncoded_wire(b):  # a coded tensor until the plan: its residual goes along
             self._pipe.coder.merge_residual(name, g)
-            if wire == "fp16":  # fp32: the bucket at once, when it is whole (_bucket_member_ready)
-                self._uncoded.send(p, name, g, wire)
-                return
         self._bucket_member_ready(b, p)
 
     def _loose_ready(self, p):
-        """A tensor that is never coded is ready. In fp16 it goes at once; in fp32 the step's never-coded tensors
-        go together once the last is ready (in named order, the same on every rank): one average and one check,
-        where one each cost more than the overlap bought (docs/time-to-accuracy.md, "One average a group")."""
-        wire = self._float_wire()
-        if wire != "fp32":
-            if p not in self._uncoded.sparse:
-                self._uncoded.send(p, self._name_of[p], self._grad(p), wire)
-            return
+        """A tensor that is never coded is ready. The step's never-coded tensors go together once the last is
+        ready (in named order, the same on every rank): one average, where one each cost more than the overlap
+        bought (docs/time-to-accuracy.md, "One average a group")."""
         self._uncoded.loose.add(p)
         if len(self._uncoded.loose) == len(self._loose):
             dense = [q for q in self._loose if q not in self._uncoded.sparse]
             if dense:
-                self._send_flat("never-coded", dense, _what("the tensors never coded", self._name_of, dense))
+                self._send_group("never-coded", dense, _what("the tensors never coded", self._name_of, dense),
+                                 self._float_wire())
 
     def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._half_wires, self._flat_wires)
+        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._kept)
 
     def _float_wire(self) -> str:
         """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,
@@ -388,10 +398,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         return self._pipe.float_wire() if self._hier is None else "fp32"
 
     def _uncoded_wire(self, b: _Bucket) -> str | None:
-        """The wire transport="auto" sends bucket b uncoded in (None: coded): in fp32 the whole bucket in one
-        average once its last tensor is ready (_Uncoded.send_flat), in fp16 each tensor as soon as it is ready.
-        Hierarchical: the bucket's float average inside the node comes first, so it goes through the pipeline, as
-        one group."""
+        """The wire transport="auto" sends bucket b uncoded in (None: coded), the whole bucket in one average once
+        its last tensor is ready (_Uncoded.send_group). Hierarchical: the bucket's float average inside the node
+        comes first, so it goes through the pipeline, as one group."""
         return self._pipe.uncoded(b.key) if self._hier is None else None
 
     def _bucket_member_ready(self, b: _Bucket, p):
@@ -403,26 +412,24 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         b.coded = [q for q in b.params if q not in self._uncoded.sparse]
         if not b.coded:
             return
-        if self._uncoded_wire(b) == "fp32":
-            self._send_uncoded(b)
+        wire = self._uncoded_wire(b)
+        if wire:
+            self._send_uncoded(b, wire)
             return
         if self._hier is not None and self._hier.local is not None:
             b.node_handles = self._hier.average_in_node([(self._name_of[q], self._grad(q)) for q in b.coded])
             return
         self._code(b)
 
-    def _send_uncoded(self, b: _Bucket):
-        """A whole bucket that auto sends in fp32: one average (_send_flat)."""
+    def _send_uncoded(self, b: _Bucket, wire: str):
+        """A whole bucket that auto sends uncoded: one average (_send_group)."""
         what = self._what_bucket(b)
         params, b.coded = b.coded, []  # nothing of it goes through the pipeline
-        self._send_flat(b.key, params, what)
+        self._send_group(b.key, params, what, wire)
 
-    def _send_flat(self, key: str, params: list, what: str):
-        """One fp32 average of these gradients (_Uncoded.send_flat), or each tensor's where they cannot share one."""
-        names, grads = [self._name_of[q] for q in params], [self._grad(q) for q in params]
-        if not self._uncoded.send_flat(key, what, names, grads):
-            for q, name, g in zip(params, names, grads):
-                self._uncoded.send_float(q, name, g)
+    def _send_group(self, key: str, params: list, what: str, wire: str):
+        self._uncoded.send_group(key, what, params, [self._name_of[q] for q in params],
+                                 [self._grad(q) for q in params], wire)
 
     def _node_averaged(self, b: _Bucket):
         """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
@@ -492,10 +499,9 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         finally:
             self._pipe.next_step()
             if deciding and auto.decided:
-                # the verdict's step codes every group: the fp16 tensors and fp32 buffers of a trial go (half
-                # or all of a gradient's bytes each), and a kept plan makes its own again on its first step
-                self._half_wires.clear()
-                self._flat_wires.clear()
+                # the verdict's step codes every group: a trial's buffers go (half or all of a gradient's bytes
+                # each), and a kept plan makes its own again on its first step
+                self._kept.clear()
 
     def _finish_bucket(self, b: _Bucket) -> list:
         """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""

@@ -222,7 +222,7 @@ def test_every_front_end_averages_in_fp16_where_auto_says_so_and_they_agree(spik
 
 def body_optimizer_lets_go_of_fp16_tensors():
     """hvd_terngrad's optimizer with auto's plan (every tensor uncoded) tried in fp16 for one step, and then the
-    coded steps found faster: the fp16 tensors it keeps after each step, and what auto kept."""
+    coded steps found faster: the fp16 buffers it keeps after each step, and what auto kept."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -247,7 +247,7 @@ def body_optimizer_lets_go_of_fp16_tensors():
         opt.zero_grad()
         G.loss(model, hvd.rank(), step).backward()
         opt.step()
-        kept.append(len(opt._half_wires))
+        kept.append(sum(wire == "fp16" for wire, _ in opt._kept))
     return kept, tg.pipeline.auto.kept, tg.pipeline.auto.decided
 
 
@@ -261,8 +261,8 @@ def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding()
 
 
 def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weight"):
-    """hvd_terngrad's optimizer with the plan in force in `wire` (fp32: a bucket's gradients in one flat average,
-    and the tensors never coded in another); at PLAN_STEP + 1 `tensor`'s gradient on rank 1 is NaN. What each
+    """hvd_terngrad's optimizer with the plan in force in `wire` (a bucket's gradients in one flat average, and
+    the tensors never coded in another); at PLAN_STEP + 1 `tensor`'s gradient on rank 1 is NaN. What each
     rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
     import horovod.torch as hvd
 
@@ -288,21 +288,21 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weig
         try:
             opt.synchronize()
         except NonFiniteGradientError as exc:
-            return str(exc), (tg.pipeline.auto.wire, sorted(opt._flat_wires))
+            return str(exc), (tg.pipeline.auto.wire, sorted(opt._kept))
         finite = all(bool(p.grad.isfinite().all()) for p in net.parameters())
         out.append((finite, bool(params[tensor].grad.isnan().all())))
         if finite:  # as AMP's GradScaler: a step with a non-finite gradient is skipped
             with opt.skip_synchronize():
                 opt.step()
-    return out, (tg.pipeline.auto.wire, sorted(opt._flat_wires))
+    return out, (tg.pipeline.auto.wire, sorted(opt._kept))
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("wire, tensor", [("fp16", "body.2.weight"), ("fp32", "body.2.weight"),
-                                          ("fp32", "head.weight")])  # head.*: excluded, never coded
+@pytest.mark.parametrize("wire, tensor", [("fp16", "body.2.weight"), ("fp16", "head.weight"),
+                                          ("fp32", "body.2.weight"), ("fp32", "head.weight")])  # head.*: never coded
 def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on(wire, tensor):
-    # fp32: the bucket in one buffer and the tensors never coded in another, kept from step to step
-    flat = ["bucket.0", "never-coded"] if wire == "fp32" else []
+    # the bucket in one buffer and the tensors never coded in another, kept from step to step
+    flat = [(wire, "bucket.0"), (wire, "never-coded")]
     for message, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
                                   args=("raise", wire, tensor)):
         assert how == (wire, flat) and f"{tensor!r} on rank 1 at step {PLAN_STEP + 1}" in message, message
@@ -353,11 +353,11 @@ def body_optimizer_mixed_fp32_bucket():
         o.zero_grad()
         G.loss(net, rank, PLAN_STEP + 2).backward()
         o.synchronize()
-    return sorted(opt._flat_wires), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(),
+    return sorted(opt._kept), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(),
                                                                               twin.parameters())]
 
 
 @pytest.mark.mpi
 def test_a_bucket_that_cannot_share_one_fp32_buffer_is_averaged_a_tensor_at_a_time_as_horovod_does():
     for flat, same in run_ranks("tests.test_uncoded:body_optimizer_mixed_fp32_bucket", np=2, timeout=120):
-        assert flat == ["never-coded"] and all(same), (flat, same)  # the bucket: a tensor at a time
+        assert flat == [("fp32", "never-coded")] and all(same), (flat, same)  # the bucket: a tensor at a time
