@@ -428,6 +428,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         self._send_group(b.key, params, what, wire)
 
     def _send_group(self, key: str, params: list, what: str, wire: str):
+        """One average of these gradients in `wire` (_Uncoded.send_group)."""
         self._uncoded.send_group(key, what, params, [self._name_of[q] for q in params],
                                  [self._grad(q) for q in params], wire)
 
