@@ -28,7 +28,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
-from hvd_terngrad.transports.uncoded import half_scale
+from hvd_terngrad.transports.uncoded import half_scale, halves_into
 
 
 class _Bucket:
@@ -130,10 +130,7 @@ class _Uncoded:
 
     def _send_halves(self, key: str, what: str, members: list) -> None:
         buf = self._buffer("fp16", key, sum(g.numel() for _, g, _ in members), members[0][1].device)
-        off = 0
-        for _, g, scale in members:
-            self.coder.codec.to_half(g, scale, out=buf[off: off + g.numel()])
-            off += g.numel()
+        halves_into(self.coder.codec, [(g, scale) for _, g, scale in members], buf)
         self.coder.stats.add_float(buf.numel() * 2, self.world.size, tensors=len(members))
         self.halves.append((what, members, buf, self.world.average_async_(buf, name=f"terngrad.fp16.{key}")))
 

@@ -48,6 +48,14 @@ def half_scale(magnitude: float | None, size: int) -> float | None:
     return math.ldexp(1.0, max(-120, min(120, e)))  # within fp32's normal range, and its inverse too
 
 
+def halves_into(codec, parts: list[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
+    """Each (tensor, its half_scale) of `parts` in fp16 at its scale, back to back in `out` (Codec.to_half)."""
+    off = 0
+    for x, scale in parts:
+        codec.to_half(x, scale, out=out[off: off + x.numel()])
+        off += x.numel()
+
+
 class _Sending:
     """An uncoded group in flight: its averages, then (only if one is not finite) which ranks were non-finite,
     then (fp16, only where no rank was) the fp32 average of the tensors that outgrew their scale."""
@@ -90,12 +98,8 @@ class Uncoded(Transport):
             scales = [half_scale(coder.magnitude(it.name), coder.size) for it in items]
             known = [i for i, s in enumerate(scales) if s is not None]
             values = torch.empty(sum(items[i].numel for i in known), dtype=torch.float16, device=items[0].flat.device)
-            off = 0
-            for i in known:
-                it = items[i]
-                coder.codec.to_half(it.flat, scales[i], out=values[off: off + it.numel])
-                off += it.numel
-                coder.stats.add_float(it.numel * 2, coder.size)
+            halves_into(coder.codec, [(items[i].flat, scales[i]) for i in known], values)
+            coder.stats.add_float(values.numel() * 2, coder.size, tensors=len(known))
             unknown = [i for i, s in enumerate(scales) if s is None]
             for i in unknown:
                 coder.stats.add_float(items[i].numel * 4, coder.size)
