@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 5
+#define TG_ABI_VERSION 6
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -96,6 +96,14 @@ int tg_to_half(const float* x, int64_t n, float scale, uint16_t* out, int nthrea
 // And back: *absmax = max |fl32(float(h[i]) * scale)|, NaN where some h[i] is NaN, and where out is not NULL,
 // out[i] = fl32(float(h[i]) * scale); with only_finite, out is written only where *absmax is finite.
 int tg_from_half(const uint16_t* h, int64_t n, float scale, float* out, int only_finite, double* absmax, int nthreads);
+
+// A group of k tensors back to back in one fp16 buffer: tg_to_half of each (xs[j], ns[j], scales[j]) into out
+// after the ones before it, and tg_from_half of each slice of h into outs[j] (outs, or an outs[j], may be NULL)
+// with its largest |value| in absmax[j]. One call a group, the same bits as one call a tensor.
+int tg_to_half_group(int k, const float* const* xs, const int64_t* ns, const float* scales, uint16_t* out,
+                     int nthreads);
+int tg_from_half_group(int k, const uint16_t* h, const int64_t* ns, const float* scales, float* const* outs,
+                       int only_finite, double* absmax, int nthreads);
 
 // One Philox4x32-10 block, exposed for known-answer tests.
 void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);

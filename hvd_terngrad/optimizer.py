@@ -28,7 +28,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from hvd_terngrad.compression import TernGrad
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
-from hvd_terngrad.transports.uncoded import half_scale, halves_into
+from hvd_terngrad.transports.uncoded import half_scale
 
 
 class _Bucket:
@@ -130,7 +130,7 @@ class _Uncoded:
 
     def _send_halves(self, key: str, what: str, members: list) -> None:
         buf = self._buffer("fp16", key, sum(g.numel() for _, g, _ in members), members[0][1].device)
-        halves_into(self.coder.codec, [(g, scale) for _, g, scale in members], buf)
+        self.coder.codec.to_halves([g for _, g, _ in members], [scale for _, _, scale in members], buf)
         self.coder.stats.add_float(buf.numel() * 2, self.world.size, tensors=len(members))
         self.halves.append((what, members, buf, self.world.average_async_(buf, name=f"terngrad.fp16.{key}")))
 
@@ -165,9 +165,7 @@ class _Uncoded:
         flat_bad = self._unflatten(done[:k])
         averages = done[k:m]
         halves = [member for _, members, _, _ in self.halves for member in members]  # (name, gradient, scale)
-        halved = [part for (_, members, _, _), avg in zip(self.halves, done[m:])
-                  for part in avg.split([g.numel() for _, g, _ in members])]
-        culprit, outgrown = self._checked(floats, averages), self._unscaled(halves, halved)
+        culprit, outgrown = self._checked(floats, averages), self._unscaled(done[m:])
         raising = self.on_nonfinite == "raise"
         ask, flat_ask = (culprit, flat_bad) if raising else ([], [])
         if not (ask or flat_ask or outgrown):
@@ -182,6 +180,8 @@ class _Uncoded:
         bad += [(floats[i][0], -1) for i in culprit if i not in ask]
         bad += [(name, -1) for name, _ in flat_bad if not raising]
         redo = []
+        halved = [part for (_, members, _, _), avg in zip(self.halves, done[m:])
+                  for part in avg.split([g.numel() for _, g, _ in members])]
         for i, r in zip(outgrown, ranks[len(ask) + len(flat_ask):]):
             name, g, scale = halves[i]
             if r:  # a rank's gradient was not finite: its average is handed on as it is
@@ -216,12 +216,17 @@ class _Uncoded:
             culprit.append(i)
         return culprit
 
-    def _unscaled(self, halves: list, halved: list) -> list[int]:
-        """Each finite fp16 average divided into its gradient, its largest |average| the next magnitude; the
-        indices of the others (a NaN somewhere, or a gradient past its scale), whose gradients stay as they were
+    def _unscaled(self, averages: list[torch.Tensor]) -> list[int]:
+        """Each fp16 group's average divided into its gradients, in one pass of the codec a group, and each
+        finite one's largest |average| its tensor's next magnitude; the indices (over the groups' members, in
+        order) of the others (a NaN somewhere, or a gradient past its scale), whose gradients stay as they were
         until the ranks have said whose it was."""
-        return [i for i, ((name, g, scale), avg) in enumerate(zip(halves, halved))
-                if not self.coder.measure(name, avg, scale, out=g)]
+        found = []
+        for (_, members, _, _), avg in zip(self.halves, averages):
+            found += zip(members, self.coder.codec.from_halves(avg, [g.numel() for _, g, _ in members],
+                                                               [s for _, _, s in members], [g for _, g, _ in members],
+                                                               only_finite=True))
+        return [i for i, ((name, _, _), m) in enumerate(found) if not self.coder.note_magnitude(name, m)]
 
     def _redo(self, outgrown: list) -> list[tuple[str, int]]:
         """The (name, gradient) whose fp16 averages outgrew their scale, averaged again in fp32 in place, on every

@@ -252,6 +252,42 @@ def test_the_16_bit_wire_takes_any_float_gradient_and_rejects_the_wrong_tensors(
         assert torch.equal(out, h.to(out.dtype) / 2)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_groups_16_bit_wire_in_one_call_gives_each_tensors_bits(backend, simd):
+    """Codec.to_halves and from_halves (one call a group) give the bits of to_half and from_half a tensor at a
+    time: sizes around the SIMD widths, an empty tensor, another dtype and a strided destination (the per-tensor
+    path inside the call), and with only_finite a non-finite member left alone while the others are written."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, 0, 17, 64, 1000, 65, 3]
+    xs = [torch.randn(n, generator=gen) * 2.0 ** (k - 3) for k, n in enumerate(sizes)]
+    scales = [2.0 ** e for e in (-4, 0, 9, 3, 12, -1, 20)]
+    c = codec.Codec(backend)
+    got = c.to_halves(xs, scales, torch.empty(sum(sizes), dtype=torch.float16))
+    want = torch.cat([codec.to_half(x, s, backend=backend) for x, s in zip(xs, scales)])
+    assert torch.equal(_bits(got), _bits(want))
+    got[sizes[0] + sizes[1] + 5] = math.nan  # in the third member
+    outs, ref_outs = [torch.full((n,), 7.0) for n in sizes], [torch.full((n,), 7.0) for n in sizes]
+    found = c.from_halves(got, sizes, scales, outs, only_finite=True)
+    parts = got.split(sizes)
+    want = [codec.from_half(h, s, out=o, only_finite=True, backend=backend)
+            for h, s, o in zip(parts, scales, ref_outs)]
+    assert all(_same_float(a, b) for a, b in zip(found, want)) and math.isnan(found[2])
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)) and bool((outs[2] == 7.0).all())
+    assert all(_same_float(a, b) for a, b in zip(c.from_halves(got, sizes, scales), want))  # measured only
+    mixed = [xs[4].double(), xs[2]]  # fp64 and a strided fp32 destination: each by itself, the same values
+    h = c.to_halves(mixed, scales[:2], torch.empty(1017, dtype=torch.float16))
+    assert torch.equal(h[:1000], codec.to_half(xs[4].double(), scales[0]))
+    dst = [torch.empty(1000, dtype=torch.float64), torch.empty(17, 2)[:, 0]]
+    c.from_halves(h, [1000, 17], scales[:2], dst)
+    assert torch.equal(dst[0], h[:1000].double() / scales[0]) and torch.equal(dst[1], h[1000:].float() / scales[1])
+    with pytest.raises(ValueError, match="contiguous fp16 tensor of 1017"):
+        c.to_halves(mixed, scales[:2], torch.empty(1016, dtype=torch.float16))
+    with pytest.raises(ValueError, match="1016 elements, not 1017"):
+        c.from_halves(h, [1000, 16], scales[:2])
+    with pytest.raises(ValueError, match="a tensor of each size"):
+        c.from_halves(h, [1000, 17], scales[:2], [dst[0], torch.empty(16)])
+
+
 def _same_float(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 

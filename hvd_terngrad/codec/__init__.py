@@ -10,6 +10,7 @@ and their block-scaler forms (wire format version 2: one scaler per block of blo
 and the 16-bit wire of an uncoded average (section 9: transports.uncoded), a power of two each way:
     to_half(x, scale, out=None)               -> fp16 tensor of x * scale
     from_half(h, scale, out=None)             -> the largest |h / scale|, and h / scale into out
+    to_halves(xs, scales, out), from_halves(h, sizes, scales, outs=None)   a group's, in one call
 Error feedback is fused into the coding (docs/wire-format.md, section 13): moments(x, residual=r) and
 ternarize_pack(..., residual=r, residual_out=r) code x + r without forming it and write the new residual in place.
 
@@ -81,6 +82,9 @@ class Backend(Protocol):
     # view costs more than a small kernel)
     def to_half(self, x, scale: float, out) -> None: ...  # out: fp16
     def from_half(self, h, scale: float, out, only_finite: bool) -> float: ...  # out: any float dtype, or None
+    # a group back to back in one fp16 tensor, in one call where the backend can (Codec.to_halves)
+    def to_halves(self, xs, scales: list[float], out) -> None: ...
+    def from_halves(self, h, sizes: list[int], scales: list[float], outs, only_finite: bool) -> list[float]: ...
 
 
 def _cuda_backend(nthreads):
@@ -329,6 +333,33 @@ class Codec:
         if out is not None and out.numel() != h.numel():
             raise ValueError(f"out has {out.numel()} elements, the average {h.numel()}")
         return self.impl(h).from_half(h, scale, out, only_finite)
+
+    def to_halves(self, xs: list[torch.Tensor], scales: list[float], out: torch.Tensor) -> torch.Tensor:
+        """to_half of each x at its scale, back to back in out (contiguous fp16 of their total size, on their
+        device): a group's tensors in one call of the backend, where a call a tensor costs more than the pass
+        over a small one (measured: docs/time-to-accuracy.md, "Grouped fp16 passes")."""
+        for x in xs:
+            if x.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"to_half converts floating-point tensors (fp32, fp64, fp16, bf16), not {x.dtype}")
+        n = sum(x.numel() for x in xs)
+        if out.dtype != torch.float16 or out.numel() != n or not out.is_contiguous() \
+                or any(x.device != out.device for x in xs):
+            raise ValueError(f"out must be a contiguous fp16 tensor of {n} elements on the tensors' device")
+        if xs:
+            self.impl(out).to_halves([x if x.is_contiguous() else x.contiguous() for x in xs], scales, out)
+        return out
+
+    def from_halves(self, h: torch.Tensor, sizes: list[int], scales: list[float], outs: list | None = None,
+                    only_finite: bool = False) -> list[float]:
+        """from_half of each slice of h (sizes back to back) at its scale, into outs[j] where given (an outs[j]
+        may be None): the largest |value| of each, in one call of the backend (to_halves)."""
+        if h.dtype != torch.float16 or not h.is_contiguous() or h.numel() != sum(sizes):
+            raise ValueError(f"from_halves reads a contiguous fp16 tensor of {sum(sizes)} elements, not "
+                             f"{h.numel()} of {h.dtype}")
+        if outs is not None and (len(outs) != len(sizes) or any(
+                o is not None and (o.numel() != n or o.device != h.device) for o, n in zip(outs, sizes))):
+            raise ValueError("outs must hold a tensor of each size (or None), on the average's device")
+        return self.impl(h).from_halves(h, sizes, scales, outs, only_finite) if sizes else []
 
 
 def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from hvd_terngrad.codec import reference
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _lib = None
 _error: str | None = None
@@ -71,6 +71,12 @@ def _load():
     lib.tg_from_half.argtypes = [vp, i64, ctypes.c_float, vp, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
                                  ctypes.c_int]
     lib.tg_from_half.restype = ctypes.c_int
+    lib.tg_to_half_group.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(i64),
+                                     ctypes.POINTER(ctypes.c_float), vp, ctypes.c_int]
+    lib.tg_to_half_group.restype = ctypes.c_int
+    lib.tg_from_half_group.argtypes = [ctypes.c_int, vp, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_float),
+                                       ctypes.POINTER(vp), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+    lib.tg_from_half_group.restype = ctypes.c_int
     lib.tg_philox4x32_10.argtypes = [ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.POINTER(u32)]
     lib.tg_philox4x32_10.restype = None
     if lib.tg_abi_version() != ABI_VERSION:
@@ -237,6 +243,28 @@ def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_fini
     return m.value
 
 
+def to_half_group(xs: list[torch.Tensor], scales: list[float], out: torch.Tensor, nthreads: int | None = None) -> None:
+    """to_half of each x (contiguous fp32) back to back in out (contiguous fp16 of their total size), one call."""
+    k, ns = len(xs), [x.numel() for x in xs]
+    _check(_lib_or_raise().tg_to_half_group(k, (ctypes.c_void_p * k)(*[x.data_ptr() for x in xs]),
+                                            (ctypes.c_int64 * k)(*ns), (ctypes.c_float * k)(*scales),
+                                            out.data_ptr(), nthreads or _threads_for(max(ns, default=0))),
+           "to_half_group")
+
+
+def from_half_group(h: torch.Tensor, sizes: list[int], scales: list[float], outs: list | None, only_finite: bool,
+                    nthreads: int | None = None) -> list[float]:
+    """from_half of each slice of h (sizes back to back) at its scale, into outs[j] (contiguous fp32, or None)
+    where given; the largest of each, one call."""
+    k = len(sizes)
+    m = (ctypes.c_double * k)()
+    ptrs = None if outs is None else (ctypes.c_void_p * k)(*[_ptr(o) for o in outs])
+    _check(_lib_or_raise().tg_from_half_group(k, h.data_ptr(), (ctypes.c_int64 * k)(*sizes),
+                                              (ctypes.c_float * k)(*scales), ptrs, int(only_finite), m,
+                                              nthreads or _threads_for(max(sizes, default=0))), "from_half_group")
+    return list(m)
+
+
 def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
     lib = _lib_or_raise()
     c = (ctypes.c_uint32 * 4)(*ctr)
@@ -294,3 +322,14 @@ class CpuBackend:
         if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()):  # the kernel writes these
             return reference.from_half(h, scale, out, only_finite)
         return from_half(h, 1.0 / scale, out, only_finite, self.nthreads)
+
+    def to_halves(self, xs, scales, out):
+        if any(x.dtype != torch.float32 for x in xs):
+            return reference.to_halves(xs, scales, out, self.to_half)
+        to_half_group(xs, scales, out, self.nthreads)
+
+    def from_halves(self, h, sizes, scales, outs, only_finite):
+        if outs is not None and any(o is not None and (o.dtype != torch.float32 or not o.is_contiguous())
+                                    for o in outs):
+            return reference.from_halves(h, sizes, scales, outs, only_finite, self.from_half)
+        return from_half_group(h, sizes, [1.0 / s for s in scales], outs, only_finite, self.nthreads)

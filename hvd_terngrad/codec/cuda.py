@@ -223,6 +223,8 @@ class CudaBackend:
     # the 16-bit wire: torch's own ops, which run as one kernel each on the GPU
     to_half = staticmethod(reference.to_half)
     from_half = staticmethod(reference.from_half)
+    to_halves = staticmethod(reference.to_halves)
+    from_halves = staticmethod(reference.from_halves)
 
     def decode_mean(self, codes, scalers, shared, n, out):
         w = torch.tensor(scalers[:1] if shared else scalers, dtype=torch.float32) / len(codes)

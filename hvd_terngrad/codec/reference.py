@@ -247,6 +247,24 @@ def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_fini
     return m
 
 
+def to_halves(xs: list[torch.Tensor], scales: list[float], out: torch.Tensor, to_half=to_half) -> None:
+    """to_half of each x at its scale, back to back in out: a call each (of `to_half`: a backend's own)."""
+    off = 0
+    for x, scale in zip(xs, scales):
+        to_half(x, scale, out[off: off + x.numel()])
+        off += x.numel()
+
+
+def from_halves(h: torch.Tensor, sizes: list[int], scales: list[float], outs: list | None, only_finite: bool,
+                from_half=from_half) -> list[float]:
+    """from_half of each slice of h (sizes back to back) at its scale, into outs[j] where given: a call each."""
+    found, off = [], 0
+    for j, (n, scale) in enumerate(zip(sizes, scales)):
+        found.append(from_half(h[off: off + n], scale, None if outs is None else outs[j], only_finite))
+        off += n
+    return found
+
+
 _FP32_MAX = torch.finfo(torch.float32).max
 _FACTORS: dict = {}  # (power of two, device) -> its 1-element fp32 tensor: a step's scales repeat
 
@@ -312,3 +330,5 @@ class ReferenceBackend:
 
     to_half = staticmethod(to_half)
     from_half = staticmethod(from_half)
+    to_halves = staticmethod(to_halves)
+    from_halves = staticmethod(from_halves)

@@ -12,7 +12,7 @@ as DDP's own allreduce does; any other is copied into one tensor first. In place
 before the average (one read); a copy can be checked after, in a bad step only.
 
 fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and
-divided by it after, both exact (half_scale), each way one pass of the codec (Codec.to_half, Codec.from_half,
+divided by it after, both exact (half_scale), each way one pass of the codec (Codec.to_halves, Codec.from_half,
 which also finds the largest |value|). The scale comes from the tensor's magnitude, which every rank
 knows alike: its shared scaler where it was last coded, else the largest |average| of its last 16-bit average
 (Coder.magnitude). A tensor whose magnitude is not known yet, or is zero, goes beside them in an fp32 average,
@@ -48,20 +48,12 @@ def half_scale(magnitude: float | None, size: int) -> float | None:
     return math.ldexp(1.0, max(-120, min(120, e)))  # within fp32's normal range, and its inverse too
 
 
-def halves_into(codec, parts: list[tuple[torch.Tensor, float]], out: torch.Tensor) -> None:
-    """Each (tensor, its half_scale) of `parts` in fp16 at its scale, back to back in `out` (Codec.to_half)."""
-    off = 0
-    for x, scale in parts:
-        codec.to_half(x, scale, out=out[off: off + x.numel()])
-        off += x.numel()
-
-
 class _Sending:
     """An uncoded group in flight: its averages, then (only if one is not finite) which ranks were non-finite,
     then (fp16, only where no rank was) the fp32 average of the tensors that outgrew their scale."""
 
-    __slots__ = ("items", "rank", "key", "codec", "scales", "averages", "whole", "parts", "absmax", "bad", "mine",
-                 "flags", "redone", "done")
+    __slots__ = ("items", "rank", "key", "codec", "scales", "averages", "whole", "halves", "parts", "absmax", "bad",
+                 "mine", "flags", "redone", "done")
 
     def __init__(self, items, rank: int, key: str, codec, scales, mine):
         self.items, self.rank, self.key = items, rank, key
@@ -69,6 +61,7 @@ class _Sending:
         self.scales = scales  # fp16: each item's power of two (half_scale), None where it travels in fp32
         self.averages: list = []  # the allreduces in flight: (handle, the indices of the items it averages)
         self.whole: torch.Tensor | None = None  # the last average received, whole
+        self.halves: tuple | None = None  # fp16 wire: (the fp16 average received, whole; the indices of its items)
         self.parts: dict[int, torch.Tensor] = {}  # item index -> its average (fp16 at its scale, or fp32)
         self.absmax: dict[int, float] = {}  # fp16 wire: item index -> its largest |average| (its next magnitude)
         self.bad: list[int] = []  # the items whose average is not finite
@@ -98,7 +91,7 @@ class Uncoded(Transport):
             scales = [half_scale(coder.magnitude(it.name), coder.size) for it in items]
             known = [i for i, s in enumerate(scales) if s is not None]
             values = torch.empty(sum(items[i].numel for i in known), dtype=torch.float16, device=items[0].flat.device)
-            halves_into(coder.codec, [(items[i].flat, scales[i]) for i in known], values)
+            coder.codec.to_halves([items[i].flat for i in known], [scales[i] for i in known], values)
             coder.stats.add_float(values.numel() * 2, coder.size, tensors=len(known))
             unknown = [i for i, s in enumerate(scales) if s is None]
             for i in unknown:
@@ -147,6 +140,8 @@ class Uncoded(Transport):
         for a, idx in h.averages:
             received, off = comm.wait(a, f"the {self.name} average of {what}"), 0
             h.whole = received
+            if received.dtype == torch.float16:
+                h.halves = (received, idx)
             for i in idx:
                 h.parts[i], off = received[off: off + h.items[i].numel], off + h.items[i].numel
         redoing, h.averages = bool(h.redone), []
@@ -172,8 +167,13 @@ class Uncoded(Transport):
         if h.scales is None:
             # one sum over the whole average first: a finite step costs no more (fp32 has one average)
             return nonfinite([h.parts[i] for i in range(len(h.items))]) if nonfinite([h.whole]) else []
+        if h.halves is not None:  # one pass of the codec for the group's fp16 average
+            received, idx = h.halves
+            h.absmax.update(zip(idx, h.codec.from_halves(received, [h.items[i].numel for i in idx],
+                                                         [h.scales[i] for i in idx])))
         for i in range(len(h.items)):
-            h.absmax[i] = h.codec.from_half(h.parts[i], h.scales[i]) if self._scaled(h, i) else absmax(h.parts[i])
+            if i not in h.absmax:
+                h.absmax[i] = absmax(h.parts[i])
         return [i for i, m in h.absmax.items() if not math.isfinite(m)]
 
     def finish(self, comm, handle, what):
@@ -186,16 +186,24 @@ class Uncoded(Transport):
         fp16 wire: each one's largest |average| becomes its magnitude (not a NaN's; a zero's, which sends it in
         fp32 next time)."""
         h = received
-        out = []
+        out = [destination(outs, i) for i in range(len(items))]
+        halves = [i for i in range(len(items)) if h.parts[i].dtype == torch.float16]
+        for i in halves:
+            if out[i] is None:
+                out[i] = torch.empty(h.parts[i].shape, dtype=torch.float32, device=h.parts[i].device)
+        if h.halves is not None and h.halves[1] == halves:  # none redone: the group's fp16 average in one pass
+            coder.codec.from_halves(h.halves[0], [items[i].numel for i in halves], [h.scales[i] for i in halves],
+                                    [out[i] for i in halves])
+        else:
+            for i in halves:
+                coder.codec.from_half(h.parts[i], h.scales[i], out=out[i])
         for i, it in enumerate(items):
-            dst, part = destination(outs, i), h.parts[i]
-            if part.dtype == torch.float16:
-                dst = torch.empty(part.shape, dtype=torch.float32, device=part.device) if dst is None else dst
-                coder.codec.from_half(part, h.scales[i], out=dst)
-                part = dst
-            elif dst is not None and dst.data_ptr() != part.data_ptr():
-                dst.copy_(part)
-            out.append(part if dst is None else dst)
+            part = h.parts[i]
+            if part.dtype != torch.float16:
+                if out[i] is None:
+                    out[i] = part
+                elif out[i].data_ptr() != part.data_ptr():
+                    out[i].copy_(part)
             if i in h.absmax:
                 coder.note_magnitude(it.name, h.absmax[i])
         return out
