@@ -39,14 +39,23 @@ void to_half_scalar(const float* x, int64_t b, int64_t e, float scale, uint16_t*
   for (int64_t i = b; i < e; ++i) out[i] = tg::float_to_half(x[i] * scale);
 }
 
-template <bool kWrite>
 void from_half_scalar(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
   for (int64_t i = b; i < e; ++i) {
     const float v = tg::half_to_float(h[i]) * scale;
-    if (kWrite) out[i] = v;
+    out[i] = v;
     if (std::isnan(v)) acc.nan = true;
     else acc.m = std::max(acc.m, std::fabs(v));
   }
+}
+
+// The largest |value| from the bits alone, for a read that writes nothing: fp16's magnitudes order as their
+// bits do with the sign masked off (an Inf's 0x7c00 above them, a NaN's above that), and rounding is monotonic,
+// so fl32(largest |h| * scale) is the largest fl32(|h| * scale): the same value, without a conversion.
+constexpr uint16_t kMagnitude = 0x7fff, kInfBits = 0x7c00;
+
+uint16_t top_bits_scalar(const uint16_t* h, int64_t b, int64_t e, uint16_t top) {
+  for (int64_t i = b; i < e; ++i) top = std::max<uint16_t>(top, h[i] & kMagnitude);
+  return top;
 }
 
 #if TG_X86
@@ -60,7 +69,6 @@ TG_AVX2 int64_t to_half_avx2(const float* x, int64_t b, int64_t e, float scale, 
   return i;  // the tail is the scalar path's
 }
 
-template <bool kWrite>
 TG_AVX2 int64_t from_half_avx2(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
   const __m256 s = _mm256_set1_ps(scale), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 top = _mm256_setzero_ps();
@@ -68,7 +76,7 @@ TG_AVX2 int64_t from_half_avx2(const uint16_t* h, int64_t b, int64_t e, float sc
   int64_t i = b;
   for (; i + 8 <= e; i += 8) {
     const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))), s);
-    if (kWrite) _mm256_storeu_ps(out + i, v);
+    _mm256_storeu_ps(out + i, v);
     nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));  // a NaN lane keeps the earlier largest
   }
@@ -77,6 +85,32 @@ TG_AVX2 int64_t from_half_avx2(const uint16_t* h, int64_t b, int64_t e, float sc
   for (float l : lanes) acc.m = std::max(acc.m, l);
   acc.nan = acc.nan || nan;
   return i;
+}
+
+TG_AVX2 int64_t top_bits_avx2(const uint16_t* h, int64_t b, int64_t e, uint16_t& top) {
+  const __m256i mask = _mm256_set1_epi16((short)kMagnitude);
+  __m256i t = _mm256_setzero_si256();
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16)
+    t = _mm256_max_epu16(t, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i)), mask));
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t);
+  for (uint16_t l : lanes) top = std::max(top, l);
+  return i;  // the tail is the scalar path's
+}
+
+TG_AVX512 uint16_t top_bits_avx512(const uint16_t* h, int64_t b, int64_t e) {
+  const __m512i mask = _mm512_set1_epi16((short)kMagnitude);
+  __m512i t = _mm512_setzero_si512();
+  for (int64_t i = b; i < e; i += 32) {
+    const __mmask32 m = e - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (e - i)) - 1);
+    t = _mm512_max_epu16(t, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, h + i), mask));  // masked lanes: 0
+  }
+  alignas(64) uint16_t lanes[32];
+  _mm512_store_si512(lanes, t);
+  uint16_t top = 0;
+  for (uint16_t l : lanes) top = std::max(top, l);
+  return top;
 }
 
 TG_AVX512 void to_half_avx512(const float* x, int64_t b, int64_t e, float scale, uint16_t* out) {
@@ -91,7 +125,6 @@ TG_AVX512 void to_half_avx512(const float* x, int64_t b, int64_t e, float scale,
   }
 }
 
-template <bool kWrite>
 TG_AVX512 void from_half_avx512(const uint16_t* h, int64_t b, int64_t e, float scale, float* out, Largest& acc) {
   const __m512 s = _mm512_set1_ps(scale);
   __m512 top = _mm512_setzero_ps();
@@ -99,7 +132,7 @@ TG_AVX512 void from_half_avx512(const uint16_t* h, int64_t b, int64_t e, float s
   for (int64_t i = b; i < e; i += 16) {
     const __mmask16 m = e - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e - i)) - 1);
     const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + i)), s);  // masked lanes: 0
-    if (kWrite) _mm512_mask_storeu_ps(out + i, m, v);
+    _mm512_mask_storeu_ps(out + i, m, v);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     top = _mm512_max_ps(top, _mm512_abs_ps(v));
   }
@@ -125,31 +158,54 @@ void to_half_range(const float* x, int64_t b, int64_t e, float scale, uint16_t* 
   to_half_scalar(x, b, e, scale, out);
 }
 
-template <bool kWrite>
 Largest from_half_range(const uint16_t* h, int64_t b, int64_t e, float scale, float* out) {
   Largest acc;
   const int level = tg_simd_level();
 #if TG_X86
   if (level >= 3) {
-    from_half_avx512<kWrite>(h, b, e, scale, out, acc);
+    from_half_avx512(h, b, e, scale, out, acc);
     return acc;
   }
-  if (level >= 2) b = from_half_avx2<kWrite>(h, b, e, scale, out, acc);
+  if (level >= 2) b = from_half_avx2(h, b, e, scale, out, acc);
 #else
   (void)level;
 #endif
-  from_half_scalar<kWrite>(h, b, e, scale, out, acc);
+  from_half_scalar(h, b, e, scale, out, acc);
   return acc;
 }
 
-template <bool kWrite>
+uint16_t top_bits_range(const uint16_t* h, int64_t b, int64_t e) {
+  uint16_t top = 0;
+  const int level = tg_simd_level();
+#if TG_X86
+  if (level >= 3) return top_bits_avx512(h, b, e);
+  if (level >= 2) b = top_bits_avx2(h, b, e, top);
+#else
+  (void)level;
+#endif
+  return top_bits_scalar(h, b, e, top);
+}
+
+// The largest |h * scale| of a read that writes nothing (top_bits_scalar), NaN where h holds one.
+double largest(const uint16_t* h, int64_t n, float scale, int nthreads) {
+  const int64_t runs = (n + kRun - 1) / kRun;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads_for(n, nthreads), runs));
+  const int64_t per = (runs + nt - 1) / nt;
+  std::vector<uint16_t> part(nt, 0);
+  tg::parallel_for(runs, (int)nt, [&](int64_t rb, int64_t re) {
+    part[rb / per] = top_bits_range(h, rb * kRun, std::min(n, re * kRun));
+  });
+  const uint16_t top = *std::max_element(part.begin(), part.end());
+  return top > kInfBits ? std::nan("") : (double)(tg::half_to_float(top) * scale);
+}
+
 Largest from_half_all(const uint16_t* h, int64_t n, float scale, float* out, int nthreads) {
   const int64_t runs = (n + kRun - 1) / kRun;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads_for(n, nthreads), runs));
   const int64_t per = (runs + nt - 1) / nt;  // parallel_for's ranges: range k starts at k * per
   std::vector<Largest> part(nt);
   tg::parallel_for(runs, (int)nt, [&](int64_t rb, int64_t re) {
-    part[rb / per] = from_half_range<kWrite>(h, rb * kRun, std::min(n, re * kRun), scale, out);
+    part[rb / per] = from_half_range(h, rb * kRun, std::min(n, re * kRun), scale, out);
   });
   Largest all;
   for (const Largest& p : part) all.add(p);
@@ -173,10 +229,13 @@ int tg_from_half(const uint16_t* h, int64_t n, float scale, float* out, int only
   if (n < 0 || !absmax || (n > 0 && !h)) return TG_EINVAL;
   // only_finite: the largest first, then (finite) the values; the second read of h is in cache for the
   // tensors of a step, and a non-finite average leaves `out` as it was, for the caller to look at again
-  const bool write = out && !only_finite;
-  Largest all = write ? from_half_all<true>(h, n, scale, out, nthreads) : from_half_all<false>(h, n, scale, out, nthreads);
-  *absmax = all.nan ? std::nan("") : (double)all.m;
-  if (out && only_finite && std::isfinite(*absmax)) from_half_all<true>(h, n, scale, out, nthreads);
+  if (out && !only_finite) {
+    const Largest all = from_half_all(h, n, scale, out, nthreads);
+    *absmax = all.nan ? std::nan("") : (double)all.m;
+    return TG_OK;
+  }
+  *absmax = largest(h, n, scale, nthreads);
+  if (out && std::isfinite(*absmax)) from_half_all(h, n, scale, out, nthreads);
   return TG_OK;
 }
 
