@@ -338,15 +338,18 @@ class Codec:
         """to_half of each x at its scale, back to back in out (contiguous fp16 of their total size, on their
         device): a group's tensors in one call of the backend, where a call a tensor costs more than the pass
         over a small one (measured: docs/time-to-accuracy.md, "Grouped fp16 passes")."""
-        for x in xs:
+        n, dense = 0, []
+        for x in xs:  # one loop: the checks are per tensor, a step's group has many
             if x.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"to_half converts floating-point tensors (fp32, fp64, fp16, bf16), not {x.dtype}")
-        n = sum(x.numel() for x in xs)
-        if out.dtype != torch.float16 or out.numel() != n or not out.is_contiguous() \
-                or any(x.device != out.device for x in xs):
-            raise ValueError(f"out must be a contiguous fp16 tensor of {n} elements on the tensors' device")
+            if x.device != out.device:
+                raise ValueError(f"to_halves: a tensor on {x.device}, out on {out.device}")
+            n += x.numel()
+            dense.append(x if x.is_contiguous() else x.contiguous())
+        if out.dtype != torch.float16 or out.numel() != n or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp16 tensor of {n} elements")
         if xs:
-            self.impl(out).to_halves([x if x.is_contiguous() else x.contiguous() for x in xs], scales, out)
+            self.impl(out).to_halves(dense, scales, out)
         return out
 
     def from_halves(self, h: torch.Tensor, sizes: list[int], scales: list[float], outs: list | None = None,
@@ -356,9 +359,12 @@ class Codec:
         if h.dtype != torch.float16 or not h.is_contiguous() or h.numel() != sum(sizes):
             raise ValueError(f"from_halves reads a contiguous fp16 tensor of {sum(sizes)} elements, not "
                              f"{h.numel()} of {h.dtype}")
-        if outs is not None and (len(outs) != len(sizes) or any(
-                o is not None and (o.numel() != n or o.device != h.device) for o, n in zip(outs, sizes))):
-            raise ValueError("outs must hold a tensor of each size (or None), on the average's device")
+        if outs is not None:
+            if len(outs) != len(sizes):
+                raise ValueError(f"outs must hold a tensor (or None) for each of the {len(sizes)} sizes")
+            for o, n in zip(outs, sizes):
+                if o is not None and (o.numel() != n or o.device != h.device):
+                    raise ValueError("outs must hold a tensor of each size (or None), on the average's device")
         return self.impl(h).from_halves(h, sizes, scales, outs, only_finite) if sizes else []
 
 

@@ -5,6 +5,7 @@ loaded as a plain shared object. Tensors cross as data pointers; callers hand in
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import importlib.machinery
 import os
@@ -71,11 +72,9 @@ def _load():
     lib.tg_from_half.argtypes = [vp, i64, ctypes.c_float, vp, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
                                  ctypes.c_int]
     lib.tg_from_half.restype = ctypes.c_int
-    lib.tg_to_half_group.argtypes = [ctypes.c_int, ctypes.POINTER(vp), ctypes.POINTER(i64),
-                                     ctypes.POINTER(ctypes.c_float), vp, ctypes.c_int]
+    lib.tg_to_half_group.argtypes = [ctypes.c_int, vp, vp, vp, vp, ctypes.c_int]
     lib.tg_to_half_group.restype = ctypes.c_int
-    lib.tg_from_half_group.argtypes = [ctypes.c_int, vp, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_float),
-                                       ctypes.POINTER(vp), ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+    lib.tg_from_half_group.argtypes = [ctypes.c_int, vp, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
     lib.tg_from_half_group.restype = ctypes.c_int
     lib.tg_philox4x32_10.argtypes = [ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.POINTER(u32)]
     lib.tg_philox4x32_10.restype = None
@@ -245,24 +244,29 @@ def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_fini
 
 def to_half_group(xs: list[torch.Tensor], scales: list[float], out: torch.Tensor, nthreads: int | None = None) -> None:
     """to_half of each x (contiguous fp32) back to back in out (contiguous fp16 of their total size), one call."""
-    k, ns = len(xs), [x.numel() for x in xs]
-    _check(_lib_or_raise().tg_to_half_group(k, (ctypes.c_void_p * k)(*[x.data_ptr() for x in xs]),
-                                            (ctypes.c_int64 * k)(*ns), (ctypes.c_float * k)(*scales),
-                                            out.data_ptr(), nthreads or _threads_for(max(ns, default=0))),
-           "to_half_group")
+    ns = array.array("q", [x.numel() for x in xs])  # held until the call returns: it reads them
+    ptrs, f = array.array("q", [x.data_ptr() for x in xs]), array.array("f", scales)
+    _check(_lib_or_raise().tg_to_half_group(len(xs), _addr(ptrs), _addr(ns), _addr(f), out.data_ptr(),
+                                            nthreads or _threads_for(max(ns, default=0))), "to_half_group")
 
 
 def from_half_group(h: torch.Tensor, sizes: list[int], scales: list[float], outs: list | None, only_finite: bool,
                     nthreads: int | None = None) -> list[float]:
     """from_half of each slice of h (sizes back to back) at its scale, into outs[j] (contiguous fp32, or None)
     where given; the largest of each, one call."""
-    k = len(sizes)
-    m = (ctypes.c_double * k)()
-    ptrs = None if outs is None else (ctypes.c_void_p * k)(*[_ptr(o) for o in outs])
-    _check(_lib_or_raise().tg_from_half_group(k, h.data_ptr(), (ctypes.c_int64 * k)(*sizes),
-                                              (ctypes.c_float * k)(*scales), ptrs, int(only_finite), m,
+    ns, f = array.array("q", sizes), array.array("f", scales)  # held until the call returns: it reads them
+    found = array.array("d", bytes(8 * len(sizes)))
+    ptrs = None if outs is None else array.array("q", [0 if o is None else o.data_ptr() for o in outs])
+    _check(_lib_or_raise().tg_from_half_group(len(sizes), h.data_ptr(), _addr(ns), _addr(f),
+                                              None if ptrs is None else _addr(ptrs), int(only_finite), _addr(found),
                                               nthreads or _threads_for(max(sizes, default=0))), "from_half_group")
-    return list(m)
+    return found.tolist()
+
+
+def _addr(a: array.array) -> int:
+    """Where an array's items are: a group's pointers, sizes and scales go to the kernels as arrays of the array
+    module, which cost a quarter of ctypes arrays to make (a group's call is made every step)."""
+    return a.buffer_info()[0]
 
 
 def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -324,12 +328,13 @@ class CpuBackend:
         return from_half(h, 1.0 / scale, out, only_finite, self.nthreads)
 
     def to_halves(self, xs, scales, out):
-        if any(x.dtype != torch.float32 for x in xs):
-            return reference.to_halves(xs, scales, out, self.to_half)
+        for x in xs:
+            if x.dtype != torch.float32:  # the kernel reads fp32; the others each by themselves
+                return reference.to_halves(xs, scales, out, self.to_half)
         to_half_group(xs, scales, out, self.nthreads)
 
     def from_halves(self, h, sizes, scales, outs, only_finite):
-        if outs is not None and any(o is not None and (o.dtype != torch.float32 or not o.is_contiguous())
-                                    for o in outs):
-            return reference.from_halves(h, sizes, scales, outs, only_finite, self.from_half)
+        for o in outs or ():
+            if o is not None and (o.dtype != torch.float32 or not o.is_contiguous()):  # what the kernel writes
+                return reference.from_halves(h, sizes, scales, outs, only_finite, self.from_half)
         return from_half_group(h, sizes, [1.0 / s for s in scales], outs, only_finite, self.nthreads)
