@@ -73,10 +73,11 @@ class _Uncoded:
     checks its own gradient first, so that one more collective (a Max allreduce of rank + 1 per non-finite
     average) tells every rank whose gradient it was."""
 
-    __slots__ = ("world", "coder", "on_nonfinite", "kept", "floats", "flats", "halves", "sparse", "loose")
+    __slots__ = ("world", "size", "coder", "on_nonfinite", "kept", "floats", "flats", "halves", "sparse", "loose")
 
     def __init__(self, world, coder, on_nonfinite: str, kept: dict):
         self.world, self.coder = world, coder
+        self.size = world.size  # read once a step: Horovod's is a call, and every tensor's scale needs it
         self.on_nonfinite = on_nonfinite  # TernGradConfig's: what the checks are for
         # (wire, group key) -> the buffer a group's average travels in, kept from step to step (the optimizer's):
         # an allocation costs more than the copy of a small group, and each step's averages are done before the
@@ -104,11 +105,11 @@ class _Uncoded:
         views = [g.view(-1) for g in grads]
         flat = self._buffer("fp32", key, sum(v.numel() for v in views), device)
         torch.cat(views, out=flat)
-        self.coder.stats.add_float(flat.numel() * 4, self.world.size, tensors=len(grads))
+        self.coder.stats.add_float(flat.numel() * 4, self.size, tensors=len(grads))
         self.flats.append((what, names, views, flat, self.world.average_async_(flat, name=f"terngrad.fp32.{key}")))
 
     def send_float(self, p, name: str, g: torch.Tensor, measure: bool = False) -> None:
-        self.coder.stats.add_float(g.numel() * g.element_size(), self.world.size)
+        self.coder.stats.add_float(g.numel() * g.element_size(), self.size)
         mine = self.on_nonfinite == "raise" and bool(nonfinite([g]))
         self.floats[p] = (mine, self.world.average_async_(g, name=f"terngrad.float.{name}"), measure)
 
@@ -117,7 +118,7 @@ class _Uncoded:
         they are not on one device), the others by themselves in fp32, measured."""
         members = []
         for p, name, g in zip(params, names, grads):
-            scale = half_scale(self.coder.magnitude(name), self.world.size)
+            scale = half_scale(self.coder.magnitude(name), self.size)
             if scale is None:
                 self.send_float(p, name, g, measure=True)
             else:
@@ -131,7 +132,7 @@ class _Uncoded:
     def _send_halves(self, key: str, what: str, members: list) -> None:
         buf = self._buffer("fp16", key, sum(g.numel() for _, g, _ in members), members[0][1].device)
         self.coder.codec.to_halves([g for _, g, _ in members], [scale for _, _, scale in members], buf)
-        self.coder.stats.add_float(buf.numel() * 2, self.world.size, tensors=len(members))
+        self.coder.stats.add_float(buf.numel() * 2, self.size, tensors=len(members))
         self.halves.append((what, members, buf, self.world.average_async_(buf, name=f"terngrad.fp16.{key}")))
 
     def _buffer(self, wire: str, key: str, n: int, device) -> torch.Tensor:
@@ -145,7 +146,7 @@ class _Uncoded:
     def send_sparse(self, p, name: str) -> None:
         g = p.grad
         self.coder.stats.add_float(g._indices().numel() * 8 + g._values().numel() * g.element_size(),
-                                   self.world.size)
+                                   self.size)
         self.sparse[p] = self.world.sparse_average_async(g, name=f"terngrad.sparse.{name}")
 
     def finish(self, name_of: dict) -> list[tuple[str, int]]:
@@ -464,9 +465,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         try:
-            for _, p in self._named:
-                if p not in self._fired:
-                    self._ready(p)
+            if len(self._fired) < len(self._named):  # parameters with no gradient this step go as zeros
+                for _, p in self._named:
+                    if p not in self._fired:
+                        self._ready(p)
             for b in self._buckets:
                 if b.node_handles:
                     self._node_averaged(b)
@@ -492,8 +494,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             self._uncoded = self._new_uncoded()
             self._densified = {}
             self._fired = set()
-            for p in self._delay:
-                self._delay[p] = self.backward_passes_per_step
+            self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
             self._synchronized = True
         auto = self._pipe.auto
         deciding = auto is not None and not auto.decided
