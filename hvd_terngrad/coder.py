@@ -70,13 +70,10 @@ class Coder:
             m = self.scalers_used.get(name)
         return m
 
-    def measure(self, name: str, average: torch.Tensor, scale: float | None = None,
-                out: torch.Tensor | None = None) -> bool:
-        """Whether an uncoded average is finite; if it is, its largest |value| becomes the tensor's magnitude
-        (note_magnitude). An fp16 average at `scale` (transports.uncoded) is divided by it on the way, into out
-        where given, which a non-finite average leaves as it was."""
-        m = absmax(average) if scale is None else self.codec.from_half(average, scale, out=out, only_finite=True)
-        return self.note_magnitude(name, m)
+    def measure(self, name: str, average: torch.Tensor) -> bool:
+        """Whether an uncoded fp32 average is finite; if it is, its largest |value| becomes the tensor's magnitude
+        (note_magnitude). (An fp16 group's averages are measured as they are read back: Codec.from_halves.)"""
+        return self.note_magnitude(name, absmax(average))
 
     def note_magnitude(self, name: str, m: float) -> bool:
         """Whether m, the largest |average| of an uncoded average, is finite; if it is, it becomes the tensor's

@@ -11,15 +11,15 @@ fp32 (FP32): a group whose gradients lie back to back in one fp32 buffer (a DDP 
 as DDP's own allreduce does; any other is copied into one tensor first. In place, a rank checks its buffer
 before the average (one read); a copy can be checked after, in a bad step only.
 
-fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and
-divided by it after, both exact (half_scale), each way one pass of the codec (Codec.to_halves, Codec.from_half,
-which also finds the largest |value|). The scale comes from the tensor's magnitude, which every rank
-knows alike: its shared scaler where it was last coded, else the largest |average| of its last 16-bit average
+fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and divided
+by it after, both exact (half_scale), each way one pass of the codec a group (Codec.to_halves, Codec.from_halves,
+which also finds each one's largest |value|). The scale comes from the tensor's magnitude, which every rank knows
+alike: its shared scaler where it was last coded, else the largest |average| of its last 16-bit average
 (Coder.magnitude). A tensor whose magnitude is not known yet, or is zero, goes beside them in an fp32 average,
-which measures it. The average is a copy, so the rank's gradient stays for a second look: where an average is
-not finite and no rank's gradient was, the gradient outgrew the scale's headroom, and every rank averages that
-tensor again in fp32 in the same step. Nothing is lost or clipped; what fp16's 11 significant bits round is not
-fed back into error feedback's residual (a relative 2^-11, against a 2-bit code's whole scaler).
+which measures it. The average is a copy, so the rank's gradient stays for a second look: where an average is not
+finite and no rank's gradient was, the gradient outgrew the scale's headroom, and every rank averages that tensor
+again in fp32 in the same step. Nothing is lost or clipped; what fp16's 11 significant bits round is not fed back
+into error feedback's residual (a relative 2^-11, against a 2-bit code's whole scaler).
 """
 from __future__ import annotations
 
