@@ -92,16 +92,20 @@ class _Uncoded:
 
     def send_group(self, key: str, what: str, params: list, names: list[str], grads: list[torch.Tensor],
                    wire: str) -> None:
-        """A group's average in `wire` as one copy (class docstring), `what` naming it in a timeout; each tensor
-        by itself where they cannot share one buffer."""
+        """A group's average in `wire` as one copy (class docstring), `what` naming it in a timeout; in fp32, a
+        tensor that cannot share the buffer (another dtype or device, not contiguous) by itself beside it."""
         if wire == "fp16":
             self._send_half(key, what, params, names, grads)
             return
-        device = grads[0].device
-        if not all(g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads):
-            for p, name, g in zip(params, names, grads):
-                self.send_float(p, name, g)
-            return
+        device = next((g.device for g in grads if g.dtype == torch.float32), None)
+        fits = [g.dtype == torch.float32 and g.is_contiguous() and g.device == device for g in grads]
+        if not all(fits):
+            for p, name, g, fit in zip(params, names, grads, fits):
+                if not fit:
+                    self.send_float(p, name, g)
+            names, grads = [n for n, fit in zip(names, fits) if fit], [g for g, fit in zip(grads, fits) if fit]
+            if not grads:
+                return
         views = [g.view(-1) for g in grads]
         flat = self._buffer("fp32", key, sum(v.numel() for v in views), device)
         torch.cat(views, out=flat)
@@ -384,13 +388,42 @@ class _TernGradOptimizer(torch.optim.Optimizer):
     def _loose_ready(self, p):
         """A tensor that is never coded is ready. The step's never-coded tensors go together once the last is
         ready (in named order, the same on every rank): one average, where one each cost more than the overlap
-        bought (docs/time-to-accuracy.md, "One average a group")."""
+        bought (docs/time-to-accuracy.md, "One average a group"); in the step's last bucket's, where it joins
+        (_joining)."""
         self._uncoded.loose.add(p)
-        if len(self._uncoded.loose) == len(self._loose):
-            dense = [q for q in self._loose if q not in self._uncoded.sparse]
-            if dense:
-                self._send_group("never-coded", dense, _what("the tensors never coded", self._name_of, dense),
-                                 self._float_wire())
+        if len(self._uncoded.loose) < len(self._loose):
+            return
+        last = self._joining()
+        if last is not None:
+            if len(last.ready) == len(last.params):  # the bucket was ready first and waits for them
+                self._send_last(last)
+            return
+        dense = self._loose_dense()
+        if dense:
+            self._send_group("never-coded", dense, _what("the tensors never coded", self._name_of, dense),
+                             self._float_wire())
+
+    def _loose_dense(self) -> list:
+        """The never-coded tensors whose gradient is not sparse, in named order."""
+        return [q for q in self._loose if q not in self._uncoded.sparse]
+
+    def _joining(self) -> _Bucket | None:
+        """The step's last bucket where the never-coded tensors join its average: transport="auto"'s plan sends
+        it uncoded in the wire they travel in. It is last in backward, so what joins waits little, and a model of
+        one bucket (ncf) then averages once a step, where a second collective cost 3-4% of its step (measured:
+        docs/time-to-accuracy.md, "One collective a step")."""
+        if not (self._loose and self._buckets):
+            return None
+        last = self._buckets[-1]
+        wire = self._uncoded_wire(last)
+        return last if wire is not None and wire == self._float_wire() else None
+
+    def _send_last(self, b: _Bucket):
+        """The last bucket and the never-coded tensors, all ready: one average of their dense gradients."""
+        params, b.coded = b.coded + self._loose_dense(), []  # nothing of it goes through the pipeline
+        if params:
+            self._send_group(b.key, params, _what(f"bucket {b.index}", self._name_of, params),
+                             self._uncoded_wire(b))
 
     def _new_uncoded(self) -> _Uncoded:
         return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._kept)
@@ -413,6 +446,10 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         # every rank has the same sparse gradients, so every rank codes the same members; if not, the scaler
         # vector's tags (or the payload headers) tell, on every rank
         b.coded = [q for q in b.params if q not in self._uncoded.sparse]
+        if b is self._joining():
+            if len(self._uncoded.loose) == len(self._loose):  # else the never-coded tensors' last one sends it
+                self._send_last(b)
+            return
         if not b.coded:
             return
         wire = self._uncoded_wire(b)

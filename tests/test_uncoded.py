@@ -261,8 +261,8 @@ def test_the_optimizer_lets_go_of_a_trials_fp16_tensors_once_auto_keeps_coding()
 
 
 def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weight"):
-    """hvd_terngrad's optimizer with the plan in force in `wire` (a bucket's gradients in one flat average, and
-    the tensors never coded in another); at PLAN_STEP + 1 `tensor`'s gradient on rank 1 is NaN. What each
+    """hvd_terngrad's optimizer with the plan in force in `wire` (the bucket's gradients and the tensors never
+    coded in one flat average); at PLAN_STEP + 1 `tensor`'s gradient on rank 1 is NaN. What each
     rank's step raised (raise), or each step's (all finite, that tensor all NaN) (propagate)."""
     import horovod.torch as hvd
 
@@ -301,8 +301,8 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weig
 @pytest.mark.parametrize("wire, tensor", [("fp16", "body.2.weight"), ("fp16", "head.weight"),
                                           ("fp32", "body.2.weight"), ("fp32", "head.weight")])  # head.*: never coded
 def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_rank_or_is_handed_on(wire, tensor):
-    # the bucket in one buffer and the tensors never coded in another, kept from step to step
-    flat = [(wire, "bucket.0"), (wire, "never-coded")]
+    # the tensors never coded join the model's one (and last) bucket in one buffer, kept from step to step
+    flat = [(wire, "bucket.0")]
     for message, how in run_ranks("tests.test_uncoded:body_optimizer_uncoded_faults", np=2, timeout=120,
                                   args=("raise", wire, tensor)):
         assert how == (wire, flat) and f"{tensor!r} on rank 1 at step {PLAN_STEP + 1}" in message, message
@@ -310,6 +310,52 @@ def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_ra
                                 args=("propagate", wire, tensor)):
         assert how == (wire, flat)
         assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
+
+
+def body_optimizer_joins_the_last_bucket(wire):
+    """hvd_terngrad's optimizer on G.Net in two buckets, the plan in force in `wire`; after the plan, one step
+    beside Horovod's own optimizer on a twin with the same weights: (the buffers it kept, each averaged
+    gradient's largest difference from Horovod's FP32 average, relative to its largest value)."""
+    import horovod.torch as hvd
+
+    import hvd_terngrad
+
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
+    hvd_terngrad.auto.WIRES = (wire,)
+    hvd.init()
+    rank = hvd.rank()
+    torch.set_num_threads(1)
+    ours, twin = G.Net(), G.Net()
+    tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0)
+    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
+                                            named_parameters=ours.named_parameters(), compression=tg,
+                                            bucket_bytes=G.BUCKET_BYTES)
+    for step in range(PLAN_STEP + 3):  # coded until the plan, then uncoded (in fp16, every magnitude measured)
+        opt.zero_grad()
+        G.loss(ours, rank, step).backward()
+        opt.step()
+    assert tg.pipeline.auto.wire == wire and not tg.pipeline.auto.coded and len(opt._buckets) == 2
+    twin.load_state_dict(ours.state_dict())
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
+                                     named_parameters=twin.named_parameters())
+    for net, o in ((ours, opt), (twin, plain)):
+        o.zero_grad()
+        G.loss(net, rank, PLAN_STEP + 3).backward()
+        o.synchronize()
+    return sorted(opt._kept), [float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+                               for a, b in zip(ours.parameters(), twin.parameters())]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_the_tensors_never_coded_join_the_last_uncoded_bucket_in_one_average(wire):
+    """Where the plan sends the last bucket uncoded in the wire of the never-coded tensors, they go in its
+    average: two buffers for two buckets, none of their own, and the same averages (fp32: the same bits as
+    Horovod's; fp16: within its rounding)."""
+    for kept, diffs in run_ranks("tests.test_uncoded:body_optimizer_joins_the_last_bucket", np=2, timeout=120,
+                                 args=(wire,)):
+        assert kept == [(wire, "bucket.0"), (wire, "bucket.1")], kept
+        assert max(diffs) <= (0.0 if wire == "fp32" else 2.0 ** -10), diffs
 
 
 class _WithFp64(torch.nn.Module):
@@ -358,6 +404,7 @@ def body_optimizer_mixed_fp32_bucket():
 
 
 @pytest.mark.mpi
-def test_a_bucket_that_cannot_share_one_fp32_buffer_is_averaged_a_tensor_at_a_time_as_horovod_does():
+def test_a_tensor_that_cannot_share_a_groups_fp32_buffer_is_averaged_by_itself_as_horovod_does():
     for flat, same in run_ranks("tests.test_uncoded:body_optimizer_mixed_fp32_bucket", np=2, timeout=120):
-        assert flat == [("fp32", "never-coded")] and all(same), (flat, same)  # the bucket: a tensor at a time
+        # the fp32 tensors (the bucket's and the never-coded ones that join it) in one buffer, the fp64 one by itself
+        assert flat == [("fp32", "bucket.0")] and all(same), (flat, same)
