@@ -411,7 +411,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         """The step's last bucket where the never-coded tensors join its average: transport="auto"'s plan sends
         it uncoded in the wire they travel in. It is last in backward, so what joins waits little, and a model of
         one bucket (ncf) then averages once a step, where a second collective cost 3-4% of its step (measured:
-        docs/time-to-accuracy.md, "One collective a step")."""
+        docs/time-to-accuracy.md, "One collective a step, and grouped fp16 passes")."""
         if not (self._loose and self._buckets):
             return None
         last = self._buckets[-1]
