@@ -312,10 +312,10 @@ def test_a_nan_in_an_uncoded_average_of_the_optimizer_names_its_rank_on_every_ra
         assert steps == [(True, False)] * (PLAN_STEP + 1) + [(False, True), (True, False)], steps  # NaN throughout
 
 
-def body_optimizer_joins_the_last_bucket(wire):
-    """hvd_terngrad's optimizer on G.Net in two buckets, the plan in force in `wire`; after the plan, one step
-    beside Horovod's own optimizer on a twin with the same weights: (the buffers it kept, each averaged
-    gradient's largest difference from Horovod's FP32 average, relative to its largest value)."""
+def _beside_horovod(model, wire: str, **options):
+    """hvd_terngrad's optimizer on model() with auto's plan in force in `wire` (every group uncoded, untried), then
+    one step beside Horovod's own optimizer on a twin with the same weights: (the optimizer, its model, the
+    twin), each with that step's averaged gradients."""
     import horovod.torch as hvd
 
     import hvd_terngrad
@@ -325,16 +325,15 @@ def body_optimizer_joins_the_last_bucket(wire):
     hvd.init()
     rank = hvd.rank()
     torch.set_num_threads(1)
-    ours, twin = G.Net(), G.Net()
+    ours, twin = model(), model()
     tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0)
     opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
-                                            named_parameters=ours.named_parameters(), compression=tg,
-                                            bucket_bytes=G.BUCKET_BYTES)
+                                            named_parameters=ours.named_parameters(), compression=tg, **options)
     for step in range(PLAN_STEP + 3):  # coded until the plan, then uncoded (in fp16, every magnitude measured)
         opt.zero_grad()
         G.loss(ours, rank, step).backward()
         opt.step()
-    assert tg.pipeline.auto.wire == wire and not tg.pipeline.auto.coded and len(opt._buckets) == 2
+    assert tg.pipeline.auto.wire == wire and not tg.pipeline.auto.coded
     twin.load_state_dict(ours.state_dict())
     plain = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
                                      named_parameters=twin.named_parameters())
@@ -342,6 +341,14 @@ def body_optimizer_joins_the_last_bucket(wire):
         o.zero_grad()
         G.loss(net, rank, PLAN_STEP + 3).backward()
         o.synchronize()
+    return opt, ours, twin
+
+
+def body_optimizer_joins_the_last_bucket(wire):
+    """G.Net in two buckets, beside Horovod (_beside_horovod): (the buffers it kept, each averaged gradient's
+    largest difference from Horovod's FP32 average, relative to its largest value)."""
+    opt, ours, twin = _beside_horovod(G.Net, wire, bucket_bytes=G.BUCKET_BYTES)
+    assert len(opt._buckets) == 2
     return sorted(opt._kept), [float((a.grad - b.grad).abs().max() / b.grad.abs().max())
                                for a, b in zip(ours.parameters(), twin.parameters())]
 
@@ -371,36 +378,10 @@ class _WithFp64(torch.nn.Module):
 
 
 def body_optimizer_mixed_fp32_bucket():
-    """hvd_terngrad's optimizer with the plan in force in fp32 on a bucket of fp32 and fp64 gradients; after the
-    plan, one step beside Horovod's own optimizer on a twin with the same weights: (the buffers it kept, whether
-    each averaged gradient is the same bits as Horovod's)."""
-    import horovod.torch as hvd
-
-    import hvd_terngrad
-
-    hvd_terngrad.auto.TRIAL_PAIRS = 0
-    hvd_terngrad.auto.WIRES = ("fp32",)
-    hvd.init()
-    rank = hvd.rank()
-    torch.set_num_threads(1)
-    ours, twin = _WithFp64(), _WithFp64()
-    tg = hvd_terngrad.TernGrad(**G.COMMON, transport="auto", link_gbps=1000.0)
-    opt = hvd_terngrad.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
-                                            named_parameters=ours.named_parameters(), compression=tg)
-    for step in range(PLAN_STEP + 2):  # coded until the plan, then uncoded
-        opt.zero_grad()
-        G.loss(ours, rank, step).backward()
-        opt.step()
-    assert tg.pipeline.auto.wire == "fp32" and not tg.pipeline.auto.coded
-    twin.load_state_dict(ours.state_dict())
-    plain = hvd.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
-                                     named_parameters=twin.named_parameters())
-    for net, o in ((ours, opt), (twin, plain)):
-        o.zero_grad()
-        G.loss(net, rank, PLAN_STEP + 2).backward()
-        o.synchronize()
-    return sorted(opt._kept), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(),
-                                                                              twin.parameters())]
+    """_WithFp64 (a bucket of fp32 and fp64 gradients) in fp32, beside Horovod (_beside_horovod): (the buffers it
+    kept, whether each averaged gradient is the same bits as Horovod's)."""
+    opt, ours, twin = _beside_horovod(_WithFp64, "fp32")
+    return sorted(opt._kept), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), twin.parameters())]
 
 
 @pytest.mark.mpi
