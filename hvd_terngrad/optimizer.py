@@ -396,7 +396,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         last = self._joining()
         if last is not None:
             if len(last.ready) == len(last.params):  # the bucket was ready first and waits for them
-                self._send_last(last)
+                self._send_uncoded(last, self._uncoded_wire(last), self._loose_dense())
             return
         dense = self._loose_dense()
         if dense:
@@ -417,13 +417,6 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         last = self._buckets[-1]
         wire = self._uncoded_wire(last)
         return last if wire is not None and wire == self._float_wire() else None
-
-    def _send_last(self, b: _Bucket):
-        """The last bucket and the never-coded tensors, all ready: one average of their dense gradients."""
-        params, b.coded = b.coded + self._loose_dense(), []  # nothing of it goes through the pipeline
-        if params:
-            self._send_group(b.key, params, _what(f"bucket {b.index}", self._name_of, params),
-                             self._uncoded_wire(b))
 
     def _new_uncoded(self) -> _Uncoded:
         return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._kept)
@@ -448,7 +441,7 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         b.coded = [q for q in b.params if q not in self._uncoded.sparse]
         if b is self._joining():
             if len(self._uncoded.loose) == len(self._loose):  # else the never-coded tensors' last one sends it
-                self._send_last(b)
+                self._send_uncoded(b, self._uncoded_wire(b), self._loose_dense())
             return
         if not b.coded:
             return
@@ -461,11 +454,12 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             return
         self._code(b)
 
-    def _send_uncoded(self, b: _Bucket, wire: str):
-        """A whole bucket that auto sends uncoded: one average (_send_group)."""
-        what = self._what_bucket(b)
-        params, b.coded = b.coded, []  # nothing of it goes through the pipeline
-        self._send_group(b.key, params, what, wire)
+    def _send_uncoded(self, b: _Bucket, wire: str, joining: list = ()):
+        """A whole bucket that auto sends uncoded, and the never-coded tensors that join it (_joining): one
+        average of their dense gradients (_send_group)."""
+        params, b.coded = b.coded + list(joining), []  # nothing of it goes through the pipeline
+        if params:
+            self._send_group(b.key, params, _what(f"bucket {b.index}", self._name_of, params), wire)
 
     def _send_group(self, key: str, params: list, what: str, wire: str):
         """One average of these gradients in `wire` (_Uncoded.send_group)."""
