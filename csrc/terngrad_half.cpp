@@ -186,29 +186,33 @@ uint16_t top_bits_range(const uint16_t* h, int64_t b, int64_t e) {
   return top_bits_scalar(h, b, e, top);
 }
 
-// The largest |h * scale| of a read that writes nothing (top_bits_scalar), NaN where h holds one.
-double largest(const uint16_t* h, int64_t n, float scale, int nthreads) {
+// f(b, e) of each range of whole runs of [0, n), on threads from 2^22 elements: the results in range order.
+template <class T, class F>
+std::vector<T> per_range(int64_t n, int nthreads, F f) {
   const int64_t runs = (n + kRun - 1) / kRun;
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads_for(n, nthreads), runs));
-  const int64_t per = (runs + nt - 1) / nt;
-  std::vector<uint16_t> part(nt, 0);
+  const int64_t per = (runs + nt - 1) / nt;  // parallel_for's ranges: range k starts at k * per
+  std::vector<T> part(nt);
   tg::parallel_for(runs, (int)nt, [&](int64_t rb, int64_t re) {
-    part[rb / per] = top_bits_range(h, rb * kRun, std::min(n, re * kRun));
+    part[rb / per] = f(rb * kRun, std::min(n, re * kRun));
   });
+  return part;
+}
+
+// The largest |h * scale| of a read that writes nothing (top_bits_scalar), NaN where h holds one.
+double largest(const uint16_t* h, int64_t n, float scale, int nthreads) {
+  const std::vector<uint16_t> part =
+      per_range<uint16_t>(n, nthreads, [&](int64_t b, int64_t e) { return top_bits_range(h, b, e); });
   const uint16_t top = *std::max_element(part.begin(), part.end());
   return top > kInfBits ? std::nan("") : (double)(tg::half_to_float(top) * scale);
 }
 
 Largest from_half_all(const uint16_t* h, int64_t n, float scale, float* out, int nthreads) {
-  const int64_t runs = (n + kRun - 1) / kRun;
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads_for(n, nthreads), runs));
-  const int64_t per = (runs + nt - 1) / nt;  // parallel_for's ranges: range k starts at k * per
-  std::vector<Largest> part(nt);
-  tg::parallel_for(runs, (int)nt, [&](int64_t rb, int64_t re) {
-    part[rb / per] = from_half_range(h, rb * kRun, std::min(n, re * kRun), scale, out);
-  });
   Largest all;
-  for (const Largest& p : part) all.add(p);
+  for (const Largest& p : per_range<Largest>(n, nthreads, [&](int64_t b, int64_t e) {
+         return from_half_range(h, b, e, scale, out);
+       }))
+    all.add(p);
   return all;
 }
 
