@@ -191,12 +191,10 @@ class Uncoded(Transport):
         for i in halves:
             if out[i] is None:
                 out[i] = torch.empty(h.parts[i].shape, dtype=torch.float32, device=h.parts[i].device)
-        if h.halves is not None and h.halves[1] == halves:  # none redone: the group's fp16 average in one pass
-            coder.codec.from_halves(h.halves[0], [items[i].numel for i in halves], [h.scales[i] for i in halves],
-                                    [out[i] for i in halves])
-        else:
-            for i in halves:
-                coder.codec.from_half(h.parts[i], h.scales[i], out=out[i])
+        if halves:  # the group's fp16 average in one pass; the slices of those redone in fp32 are not written
+            received, idx = h.halves
+            coder.codec.from_halves(received, [items[i].numel for i in idx], [h.scales[i] for i in idx],
+                                    [out[i] if h.parts[i].dtype == torch.float16 else None for i in idx])
         for i, it in enumerate(items):
             part = h.parts[i]
             if part.dtype != torch.float16:
