@@ -5,15 +5,16 @@ times: where a front end's own time goes, beside Horovod's and DDP's FP32.
         python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
 
 Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
-tensor left in float, nothing coded (the front end's own cost). Two suffixes on a Horovod TernGrad method (or
-`float`) take one of its costs away, to measure it, not to train with: `+unchecked` leaves its float averages
-unchecked (on_nonfinite="propagate"), `+naps` makes its waits nap 1 ms between polls from the start, as
-hvd.synchronize() does, where they spin first (hvd_terngrad.collectives). A method named twice runs twice;
-`fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them side by side
-in one job, each order both ways. --uncoded fp32|fp16 puts transport="auto"'s
-plan with every group uncoded in that wire in force from the first planned step, untried (the wire's own
-cost, beside Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed
-batch per rank; the median is over all but the first 50. Rank 0 prints a line per method.
+tensor left in float, nothing coded (the front end's own cost), and `ddp:python`: DDP FP32 through torch's own
+Python `allreduce_hook` (what any Python hook costs against DDP's C++ allreduce). Two suffixes on a Horovod
+TernGrad method (or `float`) take one of its costs away, to measure it, not to train with: `+unchecked` leaves
+its float averages unchecked (on_nonfinite="propagate"), `+naps` makes its waits nap 1 ms between polls from
+the start, as hvd.synchronize() does, where they spin first (hvd_terngrad.collectives). A method named twice
+runs twice; `fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them
+side by side in one job, each order both ways. --uncoded fp32|fp16 puts transport="auto"'s plan with every
+group uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside
+Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per
+rank; the median is over all but the first 50. Rank 0 prints a line per method.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import time
 from contextlib import contextmanager
 
 SUFFIXES = ("+unchecked", "+naps")
+EXTRA = ("float", "ddp:python")  # the methods this probe adds to hvd_terngrad.methods
 
 
 def build(method: str, model, data):
@@ -38,6 +40,12 @@ def build(method: str, model, data):
     method, suffixes = _suffixes(method)
     options = {"on_nonfinite": "propagate"} if "+unchecked" in suffixes else {}
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if method == "ddp:python":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        module = torch.nn.parallel.DistributedDataParallel(model)
+        module.register_comm_hook(None, default_hooks.allreduce_hook)
+        return module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9), None
     if method == "float":
         tg = hvd_terngrad.TernGrad(min_numel=2**62, **options)
         return model, hvd_terngrad.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
@@ -66,10 +74,10 @@ def check_methods(methods: list[str]) -> None:
 
     for method in methods:
         base, suffixes = _suffixes(method)
-        m = None if base == "float" else parse_method(base)
+        m = None if base in EXTRA else parse_method(base)
         if any(x not in SUFFIXES for x in suffixes):
             raise ValueError(f"{method}: the suffixes are {', '.join(SUFFIXES)}")
-        if suffixes and m is not None and not _ours(m):
+        if suffixes and (base == "ddp:python" or m is not None and not _ours(m)):
             raise ValueError(f"{method}: {', '.join(SUFFIXES)} go on hvd_terngrad's optimizer only")
 
 

@@ -263,11 +263,11 @@ class _OwnAverages:
         self.nonfinite: list = []  # this step's non-finite averages there, (bucket index, error), for the last
 
     def start(self, owner: "TernGradState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread.
-        A rank whose bucket is not finite (one sum tells) first marks its non-finite tensors (finite.mark), so
-        that a non-finite average names tensor and rank on every rank with no collective in a callback. The
-        allreduce runs on the hook's own group, whose gloo timeout is timeout_s: a rank that never joins fails it
-        in bounded time, as the worker's bounded waits do.
+        """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread,
+        divided by the world size before the sum (_divide). A rank whose bucket is not finite (one sum tells)
+        first marks its non-finite tensors (finite.mark), so that a non-finite average names tensor and rank on
+        every rank with no collective in a callback. The allreduce runs on the hook's own group, whose gloo
+        timeout is timeout_s: a rank that never joins fails it in bounded time, as the worker's bounded waits do.
 
         A non-finite average leaves through the step's last bucket, whose future completes once every earlier
         average of the step and its check have (after; the worker's _held_back, for the same reason):
@@ -281,6 +281,7 @@ class _OwnAverages:
         named = owner._named(bucket) if pipe.coder.feedback.worker else None
         for name, grad in named or ():
             pipe.coder.merge_residual(name, grad)
+        _divide(buf, size)
         mine = []
         if nonfinite([buf]):
             named = named or owner._named(bucket)
@@ -304,7 +305,6 @@ class _OwnAverages:
                     f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
                     f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
                     f"timeout_s): {exc}") from None
-            buf.div_(size)
             if nonfinite([buf]):
                 named = named or state()._named(bucket)
                 bad = nonfinite([grad for _, grad in named])
@@ -347,6 +347,15 @@ class _OwnAverages:
             return value
 
         return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
+
+
+def _divide(buf: torch.Tensor, size: int) -> None:
+    """buf * (1/size) in place, before the allreduce: DDP's own allreduce scales so (its reducer multiplies each
+    gradient by 1/size as it copies it into the bucket), and so the average is DDP's to the bit for any world
+    size. There backward has just written the bucket and it is in cache; after the sum, the division ran on
+    gloo's thread over a buffer gloo had just written, on the step's critical path (measured:
+    docs/time-to-accuracy.md, "The DDP hook's own fp32 averages")."""
+    buf.mul_(1.0 / size)
 
 
 class _Job:

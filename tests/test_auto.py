@@ -252,6 +252,47 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
     assert res[0][0] == res[1][0]
 
 
+def body_hook_fp32_is_ddps_own(port):
+    """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
+    averages itself, beside DDP's own C++ allreduce on the same parameters and batches: per step, whether the
+    hook averaged it uncoded, and whether every gradient is the same bits as DDP's own."""
+    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from tests.test_ddp import _close_gloo, _init_gloo
+
+    auto.TRIAL_PAIRS = 0
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    model, ref = G.Net(), G.Net()
+    hooked = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.01)
+    state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
+    hooked.register_comm_hook(state, terngrad_hook)
+    out = []
+    for step in range(PLAN_STEP + 3):
+        ref.load_state_dict(model.state_dict())
+        for net in (hooked, own):
+            net.zero_grad()
+            G.loss(net, rank, step).backward()
+        last = state.pipeline.stats.last
+        out.append((last.tensors_coded == 0 and last.tensors_float > 0,
+                    all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+    del hooked, own, state
+    _close_gloo()
+    return out
+
+
+@pytest.mark.mpi
+def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
+    """Three ranks, where x * (1/3) and x / 3 differ: the hook scales each bucket before the sum as DDP's reducer
+    does."""
+    for out in run_ranks("tests.test_auto:body_hook_fp32_is_ddps_own", np=3, timeout=120, args=(29687,)):
+        assert [uncoded for uncoded, _ in out] == [False] * PLAN_STEP + [True] * 3  # coded until the plan
+        assert [same for _, same in out] == [False] * PLAN_STEP + [True] * 3
+
+
 class _WithBf16Scale(torch.nn.Module):
     """G.Net with a bfloat16 scale of its output: DDP puts it in a bucket of its own, the step's last, which the
     hook's worker averages, while the fp32 bucket before it takes the hook's own average."""

@@ -13,8 +13,10 @@ def _waits():
 
 
 def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
-    step_probe.check_methods(["fp32", "float+unchecked", "terngrad:auto+unchecked+naps", "terngrad+naps"])
+    step_probe.check_methods(["fp32", "float+unchecked", "terngrad:auto+unchecked+naps", "terngrad+naps",
+                              "ddp:python"])
     for bad, says in [("fp32+unchecked", "optimizer only"), ("ddp:terngrad:auto+naps", "optimizer only"),
+                      ("ddp:python+naps", "optimizer only"),
                       ("terngrad:stock+unchecked", "optimizer only"), ("terngrad:auto+fast", "the suffixes are"),
                       ("terngrad:nope", "unknown|modifiers")]:
         with pytest.raises(ValueError, match=says):
