@@ -269,11 +269,214 @@ class _StepProtocol:
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        if self._fired or any(b.busy for b in self._buckets):
+        if self._ex.busy:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
                                  "race condition.")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+class _Exchange:
+    """What becomes of a gradient once backward has made it, for _TernGradOptimizer (which owns the hooks that
+    say when, and the step): its bucket's codes go through the pipeline, or the whole bucket in one average
+    where transport="auto" sends it uncoded; the tensors never coded go in one average, or join the last
+    bucket's (_joining); sparse ones are averaged as Horovod averages them."""
+
+    def __init__(self, compression: TernGrad, named: list, bucket_bytes: int, sparse_as_dense: bool):
+        self.pipe = compression.connect()  # what codes travel through
+        self.world = compression.world  # what passes through uncoded travels over
+        self.hier = compression.hierarchy
+        self.cfg = compression.config
+        self.named = named  # (name, parameter) of the parameters averaged, in the order every rank knows
+        self.name_of = {p: n for n, p in named}
+        self.bucket_bytes = bucket_bytes
+        self.sparse_as_dense = sparse_as_dense
+        self.kept: dict = {}  # (wire, group key) -> the buffer its average travels in (_Uncoded.kept)
+        self.plan()
+        self.start_step()
+
+    def plan(self):
+        """Buckets of the coded parameters, as buckets.plan_buckets plans them (the performance model too)."""
+        groups, _ = plan_buckets([(n, p.numel(), p.element_size()) for n, p in self.named], self.cfg,
+                                 self.bucket_bytes)
+        self.buckets: list[_Bucket] = [_Bucket(k, [self.named[i][1] for i in g]) for k, g in enumerate(groups)]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.loose = [p for _, p in self.named if p not in self.bucket_of]  # never coded, in named order
+
+    def add(self, named: list):
+        """More parameters (the optimizer's add_param_group), and the buckets planned again."""
+        self.named += named
+        self.name_of.update((p, n) for n, p in named)
+        self.plan()
+
+    def start_step(self):
+        for b in self.buckets:
+            b.reset()
+        self.uncoded = _Uncoded(self.world, self.pipe.coder, self.cfg.on_nonfinite, self.kept)
+        self.densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
+        self.fired = set()  # the parameters whose gradient is ready this step
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step's exchange has begun and not ended (zero_grad and add_param_group may not come)."""
+        return bool(self.fired) or any(b.busy for b in self.buckets)
+
+    def _grad(self, p) -> torch.Tensor:
+        """The dense gradient that is coded or averaged: p.grad, or the dense copy of a sparse one."""
+        return self.densified.get(p, p.grad)
+
+    def ready(self, p):
+        """p's gradient is ready: it goes, or waits for the rest of its group."""
+        self.fired.add(p)
+        name = self.name_of[p]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        b = self.bucket_of.get(p)
+        if p.grad.is_sparse:
+            if not self.sparse_as_dense:
+                self.uncoded.send_sparse(p, name)
+                if b is not None:
+                    self._bucket_member_ready(b, p)
+                else:
+                    self._loose_ready(p)
+                return
+            self.densified[p] = p.grad.to_dense()
+        g = self._grad(p)
+        self.pipe.coder.check_dtype(name, g)
+        if b is None:
+            self._loose_ready(p)
+            return
+        if self._uncoded_wire(b):  # a coded tensor until the plan: its residual goes along
+            self.pipe.coder.merge_residual(name, g)
+        self._bucket_member_ready(b, p)
+
+    def _loose_ready(self, p):
+        """A tensor that is never coded is ready. The step's never-coded tensors go together once the last is
+        ready (in named order, the same on every rank): one average, where one each cost more than the overlap
+        bought (docs/time-to-accuracy.md, "One average a group"); in the step's last bucket's, where it joins
+        (_joining)."""
+        self.uncoded.loose.add(p)
+        if len(self.uncoded.loose) < len(self.loose):
+            return
+        last = self._joining()
+        if last is not None:
+            if len(last.ready) == len(last.params):  # the bucket was ready first and waits for them
+                self._send_uncoded(last, self._uncoded_wire(last), self._loose_dense())
+            return
+        dense = self._loose_dense()
+        if dense:
+            self._send_group("never-coded", dense, _what("the tensors never coded", self.name_of, dense),
+                             self._float_wire())
+
+    def _loose_dense(self) -> list:
+        """The never-coded tensors whose gradient is not sparse, in named order."""
+        return [q for q in self.loose if q not in self.uncoded.sparse]
+
+    def _joining(self) -> _Bucket | None:
+        """The step's last bucket where the never-coded tensors join its average: transport="auto"'s plan sends
+        it uncoded in the wire they travel in. It is last in backward, so what joins waits little, and a model of
+        one bucket (ncf) then averages once a step, where a second collective cost 3-4% of its step (measured:
+        docs/time-to-accuracy.md, "One collective a step, and grouped fp16 passes")."""
+        if not (self.loose and self.buckets):
+            return None
+        last = self.buckets[-1]
+        wire = self._uncoded_wire(last)
+        return last if wire is not None and wire == self._float_wire() else None
+
+    def _float_wire(self) -> str:
+        """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,
+        whose uncoded groups travel through the pipeline between nodes."""
+        return self.pipe.float_wire() if self.hier is None else "fp32"
+
+    def _uncoded_wire(self, b: _Bucket) -> str | None:
+        """The wire transport="auto" sends bucket b uncoded in (None: coded), the whole bucket in one average once
+        its last tensor is ready (_Uncoded.send_group). Hierarchical: the bucket's float average inside the node
+        comes first, so it goes through the pipeline, as one group."""
+        return self.pipe.uncoded(b.key) if self.hier is None else None
+
+    def _bucket_member_ready(self, b: _Bucket, p):
+        b.ready.add(p)
+        if len(b.ready) < len(b.params):
+            return
+        # every rank has the same sparse gradients, so every rank codes the same members; if not, the scaler
+        # vector's tags (or the payload headers) tell, on every rank
+        b.coded = [q for q in b.params if q not in self.uncoded.sparse]
+        if b is self._joining():
+            if len(self.uncoded.loose) == len(self.loose):  # else the never-coded tensors' last one sends it
+                self._send_uncoded(b, self._uncoded_wire(b), self._loose_dense())
+            return
+        if not b.coded:
+            return
+        wire = self._uncoded_wire(b)
+        if wire:
+            self._send_uncoded(b, wire)
+            return
+        if self.hier is not None and self.hier.local is not None:
+            b.node_handles = self.hier.average_in_node([(self.name_of[q], self._grad(q)) for q in b.coded])
+            return
+        self._code(b)
+
+    def _send_uncoded(self, b: _Bucket, wire: str, joining: list = ()):
+        """A whole bucket that auto sends uncoded, and the never-coded tensors that join it (_joining): one
+        average of their dense gradients (_send_group)."""
+        params, b.coded = b.coded + list(joining), []  # nothing of it goes through the pipeline
+        if params:
+            self._send_group(b.key, params, _what(f"bucket {b.index}", self.name_of, params), wire)
+
+    def _send_group(self, key: str, params: list, what: str, wire: str):
+        """One average of these gradients in `wire` (_Uncoded.send_group)."""
+        self.uncoded.send_group(key, what, params, [self.name_of[q] for q in params],
+                                [self._grad(q) for q in params], wire)
+
+    def _node_averaged(self, b: _Bucket):
+        """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
+        self.hier.wait_in_node(b.node_handles)
+        b.node_handles = []
+        self._code(b)
+
+    def _code(self, b: _Bucket):
+        """Start the bucket through the pipeline (hierarchical: only where this rank codes it)."""
+        if self.hier is not None and not self.hier.codes(b.index):
+            return
+        b.group = self.pipe.start(b.key, [(self.name_of[q], self._grad(q)) for q in b.coded],
+                                  what=_what(f"bucket {b.index}", self.name_of, b.coded))
+
+    def progress(self):
+        """Move every bucket on as far as it goes without waiting (called from each hook)."""
+        for b in self.buckets:
+            if b.node_handles and self.hier.averaged_in_node(b.node_handles):
+                self._node_averaged(b)
+            if b.group is not None:
+                self.pipe.progress(b.group)
+
+    def finish(self) -> tuple[list, list[tuple[str, int]]]:
+        """The step's averages in the gradients, waited for (parameters with no gradient this step go as zeros):
+        the coded items that are not finite, and the (name, rank) of the float averages that are not."""
+        if len(self.fired) < len(self.named):
+            for _, p in self.named:
+                if p not in self.fired:
+                    self.ready(p)
+        for b in self.buckets:
+            if b.node_handles:
+                self._node_averaged(b)
+        groups = [b for b in self.buckets if b.group is not None]
+        for b in groups:  # scalers shared and transports started, in bucket order
+            if b.group.stage is Stage.SCALER:
+                self.pipe.progress(b.group, block=True)
+        for b in groups:  # every bucket's next collective in flight before any wait for a result
+            self.pipe.progress(b.group, block=True)
+        bad = []
+        for b in groups:  # each bucket's codes decoded into its gradients
+            self.pipe.finish_into(b.group, [self._grad(p) for p in b.coded])
+            bad += self.pipe.nonfinite(b.group)
+        float_bad = []
+        if self.hier is not None and self.hier.local is not None:  # the node's verdict replaces the codes'
+            coded = [(b.index, self.name_of[q], self._grad(q)) for b in self.buckets for q in b.coded]
+            float_bad, bad = [(n, -1) for n in self.hier.finish_in_node(coded, {it.name for it in bad})], []
+        float_bad += self.uncoded.finish(self.name_of)
+        for p, dense in self.densified.items():
+            p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
+        return bad, float_bad
 
 
 class _TernGradOptimizer(torch.optim.Optimizer):
@@ -285,62 +488,39 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
 
-        self._tg = compression
         compression.bind(named, process_set)
-        self._pipe = compression.connect()  # what codes travel through
-        self._world = compression.world  # what passes through uncoded travels over
-        self._hier = compression.hierarchy
-        self._cfg = compression.config
-        self._sparse_as_dense = sparse_as_dense
         in_opt = {id(p) for p in all_params}
-        self._named = [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad]
-        self._name_of = {p: n for n, p in self._named}
+        self._ex = _Exchange(compression, [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad],
+                             bucket_bytes, sparse_as_dense)
         self.backward_passes_per_step = backward_passes_per_step
-        self._delay = {p: backward_passes_per_step for _, p in self._named}
-        self._bucket_bytes = bucket_bytes
-        self._plan()
-
-        self._kept: dict = {}  # (wire, group key) -> the buffer its average travels in (_Uncoded.kept)
-        self._uncoded = self._new_uncoded()
-        self._densified = {}  # sparse_as_dense: param -> the dense copy of its sparse gradient that is coded
-        self._fired = set()
+        self._delay = {p: backward_passes_per_step for _, p in self._ex.named}
         self._skip_next_step = False
         self._synchronized = False
         self._should_synchronize = True
         self._grad_accs = []
-        if self._world.size > 1:
+        if self._ex.world.size > 1:
             self._register_hooks()
-
-    def _plan(self):
-        """Buckets of the coded parameters, as buckets.plan_buckets plans them (the performance model too)."""
-        groups, _ = plan_buckets([(n, p.numel(), p.element_size()) for n, p in self._named], self._cfg,
-                                 self._bucket_bytes)
-        self._buckets: list[_Bucket] = [_Bucket(k, [self._named[i][1] for i in g]) for k, g in enumerate(groups)]
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._loose = [p for _, p in self._named if p not in self._bucket_of]  # never coded, in named order
 
     def add_param_group(self, param_group):
         """torch's add_param_group; its parameters are averaged from the next backward on, named by their place
         (allreduce.noname.<group>.<index>), and the buckets are planned again. (The stock hvd optimizer
         registers its hooks only when built, and leaves such parameters unaveraged.)"""
         super(self.__class__, self).add_param_group(param_group)
-        if not hasattr(self, "_bucket_bytes"):  # the groups torch's constructor adds: __init__ names them
+        if not hasattr(self, "_ex"):  # the groups torch's constructor adds: __init__ names them
             return
-        if self._fired or any(b.busy for b in self._buckets):
+        if self._ex.busy:
             raise AssertionError("add_param_group() between backward and step(): add groups between steps")
         k = len(self.param_groups) - 1
         new = [(f"allreduce.noname.{k}.{j}", p) for j, p in enumerate(self.param_groups[k]["params"])
-               if p.requires_grad and p not in self._name_of]
-        self._named += new
-        for n, p in new:
-            self._name_of[p], self._delay[p] = n, self.backward_passes_per_step
-        self._plan()
-        if self._world.size > 1:
+               if p.requires_grad and p not in self._ex.name_of]
+        self._ex.add(new)
+        for _, p in new:
+            self._delay[p] = self.backward_passes_per_step
+        if self._ex.world.size > 1:
             self._register_hooks([p for _, p in new])
 
-    # ------------------------------------------------------------------------------------------
     def _register_hooks(self, params=None):
-        for p in params if params is not None else [p for _, p in self._named]:
+        for p in params if params is not None else [p for _, p in self._ex.named]:
             p_tmp = p.expand_as(p)
             grad_acc = p_tmp.grad_fn.next_functions[0][0]
             grad_acc.register_hook(self._make_hook(p))
@@ -353,195 +533,31 @@ class _TernGradOptimizer(torch.optim.Optimizer):
                                      "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
             self._delay[p] -= 1
             if self._delay[p] == 0:
-                self._ready(p)
-                self._progress()
+                self._ex.ready(p)
+                self._ex.progress()
         return hook
 
-    def _grad(self, p) -> torch.Tensor:
-        """The dense gradient that is coded or averaged: p.grad, or the dense copy of a sparse one."""
-        return self._densified.get(p, p.grad)
-
-    def _ready(self, p):
-        self._fired.add(p)
-        name = self._name_of[p]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        b = self._bucket_of.get(p)
-        if p.grad.is_sparse:
-            if not self._sparse_as_dense:
-                self._uncoded.send_sparse(p, name)
-                if b is not None:
-                    self._bucket_member_ready(b, p)
-                else:
-                    self._loose_ready(p)
-                return
-            self._densified[p] = p.grad.to_dense()
-        g = self._grad(p)
-        self._pipe.coder.check_dtype(name, g)
-        if b is None:
-            self._loose_ready(p)
-            return
-        if self._uncoded_wire(b):  # a coded tensor until the plan: its residual goes along
-            self._pipe.coder.merge_residual(name, g)
-        self._bucket_member_ready(b, p)
-
-    def _loose_ready(self, p):
-        """A tensor that is never coded is ready. The step's never-coded tensors go together once the last is
-        ready (in named order, the same on every rank): one average, where one each cost more than the overlap
-        bought (docs/time-to-accuracy.md, "One average a group"); in the step's last bucket's, where it joins
-        (_joining)."""
-        self._uncoded.loose.add(p)
-        if len(self._uncoded.loose) < len(self._loose):
-            return
-        last = self._joining()
-        if last is not None:
-            if len(last.ready) == len(last.params):  # the bucket was ready first and waits for them
-                self._send_uncoded(last, self._uncoded_wire(last), self._loose_dense())
-            return
-        dense = self._loose_dense()
-        if dense:
-            self._send_group("never-coded", dense, _what("the tensors never coded", self._name_of, dense),
-                             self._float_wire())
-
-    def _loose_dense(self) -> list:
-        """The never-coded tensors whose gradient is not sparse, in named order."""
-        return [q for q in self._loose if q not in self._uncoded.sparse]
-
-    def _joining(self) -> _Bucket | None:
-        """The step's last bucket where the never-coded tensors join its average: transport="auto"'s plan sends
-        it uncoded in the wire they travel in. It is last in backward, so what joins waits little, and a model of
-        one bucket (ncf) then averages once a step, where a second collective cost 3-4% of its step (measured:
-        docs/time-to-accuracy.md, "One collective a step, and grouped fp16 passes")."""
-        if not (self._loose and self._buckets):
-            return None
-        last = self._buckets[-1]
-        wire = self._uncoded_wire(last)
-        return last if wire is not None and wire == self._float_wire() else None
-
-    def _new_uncoded(self) -> _Uncoded:
-        return _Uncoded(self._world, self._pipe.coder, self._cfg.on_nonfinite, self._kept)
-
-    def _float_wire(self) -> str:
-        """What the tensors that are never coded travel in (Pipeline.float_wire); fp32 with hierarchical coding,
-        whose uncoded groups travel through the pipeline between nodes."""
-        return self._pipe.float_wire() if self._hier is None else "fp32"
-
-    def _uncoded_wire(self, b: _Bucket) -> str | None:
-        """The wire transport="auto" sends bucket b uncoded in (None: coded), the whole bucket in one average once
-        its last tensor is ready (_Uncoded.send_group). Hierarchical: the bucket's float average inside the node
-        comes first, so it goes through the pipeline, as one group."""
-        return self._pipe.uncoded(b.key) if self._hier is None else None
-
-    def _bucket_member_ready(self, b: _Bucket, p):
-        b.ready.add(p)
-        if len(b.ready) < len(b.params):
-            return
-        # every rank has the same sparse gradients, so every rank codes the same members; if not, the scaler
-        # vector's tags (or the payload headers) tell, on every rank
-        b.coded = [q for q in b.params if q not in self._uncoded.sparse]
-        if b is self._joining():
-            if len(self._uncoded.loose) == len(self._loose):  # else the never-coded tensors' last one sends it
-                self._send_uncoded(b, self._uncoded_wire(b), self._loose_dense())
-            return
-        if not b.coded:
-            return
-        wire = self._uncoded_wire(b)
-        if wire:
-            self._send_uncoded(b, wire)
-            return
-        if self._hier is not None and self._hier.local is not None:
-            b.node_handles = self._hier.average_in_node([(self._name_of[q], self._grad(q)) for q in b.coded])
-            return
-        self._code(b)
-
-    def _send_uncoded(self, b: _Bucket, wire: str, joining: list = ()):
-        """A whole bucket that auto sends uncoded, and the never-coded tensors that join it (_joining): one
-        average of their dense gradients (_send_group)."""
-        params, b.coded = b.coded + list(joining), []  # nothing of it goes through the pipeline
-        if params:
-            self._send_group(b.key, params, _what(f"bucket {b.index}", self._name_of, params), wire)
-
-    def _send_group(self, key: str, params: list, what: str, wire: str):
-        """One average of these gradients in `wire` (_Uncoded.send_group)."""
-        self._uncoded.send_group(key, what, params, [self._name_of[q] for q in params],
-                                 [self._grad(q) for q in params], wire)
-
-    def _node_averaged(self, b: _Bucket):
-        """Hierarchical: the node's float average of the bucket is in its gradients; code it if it is ours."""
-        self._hier.wait_in_node(b.node_handles)
-        b.node_handles = []
-        self._code(b)
-
-    def _code(self, b: _Bucket):
-        """Start the bucket through the pipeline (hierarchical: only where this rank codes it)."""
-        if self._hier is not None and not self._hier.codes(b.index):
-            return
-        b.group = self._pipe.start(b.key, [(self._name_of[q], self._grad(q)) for q in b.coded],
-                                   what=self._what_bucket(b))
-
-    def _progress(self):
-        for b in self._buckets:
-            if b.node_handles and self._hier.averaged_in_node(b.node_handles):
-                self._node_averaged(b)
-            if b.group is not None:
-                self._pipe.progress(b.group)
-
-    def _what_bucket(self, b: _Bucket) -> str:
-        """A bucket in an error: named by its first tensor, the one a user can look for."""
-        return _what(f"bucket {b.index}", self._name_of, b.coded)
-
-    # ------------------------------------------------------------------------------------------
     def synchronize(self):
-        if self._world.size <= 1:
+        ex = self._ex
+        if ex.world.size <= 1:
             self._synchronized = True
             return
         try:
-            if len(self._fired) < len(self._named):  # parameters with no gradient this step go as zeros
-                for _, p in self._named:
-                    if p not in self._fired:
-                        self._ready(p)
-            for b in self._buckets:
-                if b.node_handles:
-                    self._node_averaged(b)
-            groups = [b for b in self._buckets if b.group is not None]
-            for b in groups:  # scalers shared and transports started, in bucket order
-                if b.group.stage is Stage.SCALER:
-                    self._pipe.progress(b.group, block=True)
-            for b in groups:  # every bucket's next collective in flight before any wait for a result
-                self._pipe.progress(b.group, block=True)
-            bad = []
-            for b in groups:
-                bad += self._finish_bucket(b)
-            float_bad = []
-            if self._hier is not None and self._hier.local is not None:  # the node's verdict replaces the codes'
-                coded = [(b.index, self._name_of[q], self._grad(q)) for b in self._buckets for q in b.coded]
-                float_bad, bad = [(n, -1) for n in self._hier.finish_in_node(coded, {it.name for it in bad})], []
-            float_bad += self._uncoded.finish(self._name_of)
-            for p, dense in self._densified.items():
-                p.grad.zero_().add_(dense.to_sparse())  # handed back sparse, as Horovod's sparse_as_dense does
+            bad, float_bad = ex.finish()
         finally:
-            for b in self._buckets:
-                b.reset()
-            self._uncoded = self._new_uncoded()
-            self._densified = {}
-            self._fired = set()
+            ex.start_step()
             self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
             self._synchronized = True
-        auto = self._pipe.auto
+        auto = ex.pipe.auto
         deciding = auto is not None and not auto.decided
         try:
-            self._skip_next_step = _skips(self._cfg, self._pipe, bad, float_bad, self._world.rank)
+            self._skip_next_step = _skips(ex.cfg, ex.pipe, bad, float_bad, ex.world.rank)
         finally:
-            self._pipe.next_step()
+            ex.pipe.next_step()
             if deciding and auto.decided:
                 # the verdict's step codes every group: a trial's buffers go (half or all of a gradient's bytes
                 # each), and a kept plan makes its own again on its first step
-                self._kept.clear()
-
-    def _finish_bucket(self, b: _Bucket) -> list:
-        """Wait for a bucket's codes, decode the average into its gradients; returns its non-finite items."""
-        self._pipe.finish_into(b.group, [self._grad(p) for p in b.coded])
-        return self._pipe.nonfinite(b.group)
+                ex.kept.clear()
 
 
 def _what(group: str, name_of: dict, params: list) -> str:

@@ -247,7 +247,7 @@ def body_optimizer_lets_go_of_fp16_tensors():
         opt.zero_grad()
         G.loss(model, hvd.rank(), step).backward()
         opt.step()
-        kept.append(sum(wire == "fp16" for wire, _ in opt._kept))
+        kept.append(sum(wire == "fp16" for wire, _ in opt._ex.kept))
     return kept, tg.pipeline.auto.kept, tg.pipeline.auto.decided
 
 
@@ -288,13 +288,13 @@ def body_optimizer_uncoded_faults(on_nonfinite, wire="fp16", tensor="body.2.weig
         try:
             opt.synchronize()
         except NonFiniteGradientError as exc:
-            return str(exc), (tg.pipeline.auto.wire, sorted(opt._kept))
+            return str(exc), (tg.pipeline.auto.wire, sorted(opt._ex.kept))
         finite = all(bool(p.grad.isfinite().all()) for p in net.parameters())
         out.append((finite, bool(params[tensor].grad.isnan().all())))
         if finite:  # as AMP's GradScaler: a step with a non-finite gradient is skipped
             with opt.skip_synchronize():
                 opt.step()
-    return out, (tg.pipeline.auto.wire, sorted(opt._kept))
+    return out, (tg.pipeline.auto.wire, sorted(opt._ex.kept))
 
 
 @pytest.mark.mpi
@@ -348,8 +348,8 @@ def body_optimizer_joins_the_last_bucket(wire):
     """G.Net in two buckets, beside Horovod (_beside_horovod): (the buffers it kept, each averaged gradient's
     largest difference from Horovod's FP32 average, relative to its largest value)."""
     opt, ours, twin = _beside_horovod(G.Net, wire, bucket_bytes=G.BUCKET_BYTES)
-    assert len(opt._buckets) == 2
-    return sorted(opt._kept), [float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+    assert len(opt._ex.buckets) == 2
+    return sorted(opt._ex.kept), [float((a.grad - b.grad).abs().max() / b.grad.abs().max())
                                for a, b in zip(ours.parameters(), twin.parameters())]
 
 
@@ -381,7 +381,7 @@ def body_optimizer_mixed_fp32_bucket():
     """_WithFp64 (a bucket of fp32 and fp64 gradients) in fp32, beside Horovod (_beside_horovod): (the buffers it
     kept, whether each averaged gradient is the same bits as Horovod's)."""
     opt, ours, twin = _beside_horovod(_WithFp64, "fp32")
-    return sorted(opt._kept), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), twin.parameters())]
+    return sorted(opt._ex.kept), [torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), twin.parameters())]
 
 
 @pytest.mark.mpi
