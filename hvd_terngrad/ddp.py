@@ -28,8 +28,9 @@ expects of a hook, the future's value is the bucket's average (DDP does not divi
 Where transport="auto" sends every bucket uncoded in fp32, no coded bucket's collectives need keeping in order,
 and the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
 (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
-collective in a callback). In fp16 the worker averages them: a tensor that outgrew its scale needs a second
-average (transports.uncoded).
+collective in a callback). In fp16 a tensor that outgrew its scale needs a second average (transports.uncoded),
+which a callback may not start: the hook launches each bucket's fp16 average itself, in launch order, and the
+worker finishes the step's buckets after the last launch (TernGradState._launches_now).
 
 Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
 completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
@@ -166,6 +167,37 @@ class TernGradState:
         return (auto is not None and auto.coded is not None and not auto.coded and auto.wire == "fp32"
                 and self.hierarchy is None and self.process_group is None and bucket.buffer().dtype == torch.float32)
 
+    def _launches_now(self) -> bool:
+        """Whether the hook starts each bucket's average itself, on the training thread, and the worker only
+        finishes it: transport="auto"'s plan in force sends every bucket uncoded in fp16. The hook launches in
+        DDP's launch order, where the hand-over to the worker first cost about 0.2 ms on the step's critical path
+        (measured: docs/time-to-accuracy.md, "The hook's fp16 plan at 1 Gbit/s"). The step's buckets go to the
+        worker together after the last one's launch: a bucket whose average needs a second collective (a
+        non-finite average, a tensor that outgrew its scale) issues it there, in bucket order on every rank,
+        never between two launches."""
+        auto = self.pipeline.auto
+        return (auto is not None and auto.coded is not None and not auto.coded and auto.wire == "fp16"
+                and self.hierarchy is None)
+
+    def _launch(self, job: "_Job") -> None:
+        """The bucket's uncoded average started (_launches_now): encoded, its allreduce launched."""
+        job.coded, job.floats = job.coded + job.floats, []
+        self._begin(job)
+
+    def _begin(self, job: "_Job") -> None:
+        """The group into the pipeline: prepared, and its scalers shared and its transport started (a wait), or
+        its uncoded average launched."""
+        more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
+        job.group = self.pipeline.start(f"bucket.{job.index}", job.coded, send_when_shared=False, ready=job.ready,
+                                        what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
+        self.pipeline.send(job.group)
+
+    def _end(self, job: "_Job") -> None:
+        """The group's transport finished and its averages written into its gradients (propagate: non-finite
+        ones are NaN)."""
+        self.pipeline.progress(job.group, block=True)  # the second collective of a sharded transport
+        self.pipeline.finish_into(job.group, [v for _, v in job.coded])
+
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
         return self._own.start(self, bucket)
@@ -178,11 +210,17 @@ class TernGradState:
 
     def _finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
-        job = jobs[0] if len(jobs) == 1 else _Job.merged(jobs)
+        job = jobs[0] if len(jobs) == 1 or jobs[0].group is not None else _Job.merged(jobs)
         try:
-            self._exchange(job)
+            if job.group is not None:  # launched by the hook (_launches_now): finished in launch order
+                for j in jobs:
+                    self._end(j)
+                    if self.config.on_nonfinite != "propagate":
+                        self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(j.group))
+            else:
+                self._exchange(job)
         finally:
-            self._step_done(job)  # a step that raised has ended too, as on the other front ends
+            self._step_done(jobs[-1])  # a step that raised has ended too, as on the other front ends
         return [j.buffer for j in jobs]
 
     def _exchange(self, job: "_Job") -> None:
@@ -199,12 +237,8 @@ class TernGradState:
         if node is not None:
             h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
         if job.coded and (h is None or h.codes(job.index)):
-            more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
-            job.group = pipe.start(key, job.coded, send_when_shared=False, ready=job.ready,
-                                   what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
-            pipe.send(job.group)  # the scalers shared (a wait), the codes encoded, the transport started
-            pipe.progress(job.group, block=True)  # the second collective of a sharded transport
-            pipe.finish_into(job.group, [v for _, v in job.coded])  # propagate: non-finite ones are NaN
+            self._begin(job)
+            self._end(job)
         # hierarchical with a node of several ranks, or with one node only (its float average was the whole
         # exchange): the node's verdict; otherwise the pipeline's
         if node is not None or (h is not None and h.cross is None and job.coded):
@@ -393,8 +427,16 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
             state._order.end_step()
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
+    launched = state._launches_now()
+    if launched:
+        try:
+            state._launch(job)
+        except BaseException:
+            state._held = []  # the step ends here on every rank alike (the same tensors, the same options)
+            raise
     state._held.append(job)
-    if job.last or sum(j.buffer.numel() * j.buffer.element_size() for j in state._held) >= state.bucket_bytes:
+    if job.last or (not launched and sum(j.buffer.numel() * j.buffer.element_size() for j in state._held)
+                    >= state.bucket_bytes):
         state._send_held()
     if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
         return state._own.after(job.future, _value_or_raise)

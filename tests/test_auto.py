@@ -325,10 +325,12 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     bf16 = layout.startswith("bf16_last")
+    if layout == "fp16_buckets":  # the plan in fp16: the hook launches each bucket, the worker finishes them
+        auto.WIRES = ("fp16",)
     if layout == "bf16_last_slow":
         _slow_average_callbacks(0.3, 0.1)
     model = G.Net() if not bf16 else _WithBf16Scale()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if layout == "buckets" else 25)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if "buckets" in layout else 25)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
                           on_nonfinite="propagate" if fault == "propagate" else "raise")
     at = [0]  # the step the loop is at
@@ -408,6 +410,19 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
         assert step == PLAN_STEP + 1
         assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}, averaged uncoded" in message, \
             message
+    assert results[0][1].split("(reported")[0] == results[1][1].split("(reported")[0]  # the same tensor
+
+
+@pytest.mark.mpi
+def test_a_nan_in_the_hooks_fp16_averages_names_the_tensor_and_the_rank_on_every_rank():
+    """The plan in fp16, several buckets: the hook launches each bucket's average itself and the worker finishes
+    them after the step's last launch, the non-finite flags' collective among them, in bucket order."""
+    results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
+                        args=(29683, "nan", 0.0, "fp16_buckets"))
+    assert None not in results, f"a rank trained through the NaN step without raising: {results}"
+    for step, message in results:
+        assert step == PLAN_STEP + 1
+        assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}" in message, message
     assert results[0][1].split("(reported")[0] == results[1][1].split("(reported")[0]  # the same tensor
 
 
