@@ -68,7 +68,9 @@ class TernGradState:
     bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with them, as
         one group of at least this many bytes or up to the step's last bucket (0: each bucket on its own). A
         group costs two collectives whatever its size, which on a slow link outweighs the overlap a small
-        bucket would buy (measured: docs/time-to-accuracy.md); DDP's own 25 MB buckets go alone.
+        bucket would buy (measured: docs/time-to-accuracy.md); DDP's own 25 MB buckets go alone. Where
+        transport="auto"'s plan sends every bucket uncoded, each bucket is one average on its own, as with DDP's
+        own hooks.
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
