@@ -30,7 +30,7 @@ and the hook averages each bucket itself, as DDP's own allreduce does: one allre
 (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
 collective in a callback). In fp16 a tensor that outgrew its scale needs a second average (transports.uncoded),
 which a callback may not start: the hook launches each bucket's fp16 average itself, in launch order, and the
-worker finishes the step's buckets after the last launch (TernGradState._launches_now).
+worker finishes the step's buckets after the last launch (TernGradState._all_uncoded).
 
 Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
 completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
@@ -160,31 +160,23 @@ class TernGradState:
                              "named_parameters given to TernGradState (pass the DDP module's)")
         return name, self.config.compresses(name, p.numel())
 
+    def _all_uncoded(self) -> Optional[str]:
+        """The wire where transport="auto"'s plan in force sends every bucket uncoded (no hierarchy), else None.
+        Then no coded bucket's collectives need keeping in order on the worker thread, and the hook itself
+        starts each bucket's average on the training thread, in DDP's launch order: in fp32 it averages the
+        bucket itself (_average_now). In fp16 a tensor that outgrew its scale is averaged again, a second
+        collective that a callback may not start, so the hook only launches the average and the worker finishes
+        the step's buckets after the last launch, any second collective in bucket order on every rank. The
+        hand-over to the worker before the launch cost about 0.2 ms on the step's critical path (measured:
+        docs/time-to-accuracy.md, "The hook's fp16 plan at 1 Gbit/s")."""
+        auto = self.pipeline.auto
+        done = auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
+        return auto.wire if done else None
+
     def _averages_now(self, bucket: dist.GradBucket) -> bool:
-        """Whether the hook averages this bucket itself (_average_now): transport="auto"'s plan in force sends
-        every bucket uncoded in fp32, so no coded bucket's collectives need keeping in order on the worker thread.
-        (In fp16 a tensor that outgrew its scale is averaged again, a second collective that a callback may not
-        start: the worker averages those buckets.)"""
-        auto = self.pipeline.auto
-        return (auto is not None and auto.coded is not None and not auto.coded and auto.wire == "fp32"
-                and self.hierarchy is None and self.process_group is None and bucket.buffer().dtype == torch.float32)
-
-    def _launches_now(self) -> bool:
-        """Whether the hook starts each bucket's average itself, on the training thread, and the worker only
-        finishes it: transport="auto"'s plan in force sends every bucket uncoded in fp16. The hook launches in
-        DDP's launch order, where the hand-over to the worker first cost about 0.2 ms on the step's critical path
-        (measured: docs/time-to-accuracy.md, "The hook's fp16 plan at 1 Gbit/s"). The step's buckets go to the
-        worker together after the last one's launch: a bucket whose average needs a second collective (a
-        non-finite average, a tensor that outgrew its scale) issues it there, in bucket order on every rank,
-        never between two launches."""
-        auto = self.pipeline.auto
-        return (auto is not None and auto.coded is not None and not auto.coded and auto.wire == "fp16"
-                and self.hierarchy is None)
-
-    def _launch(self, job: "_Job") -> None:
-        """The bucket's uncoded average started (_launches_now): encoded, its allreduce launched."""
-        job.coded, job.floats = job.coded + job.floats, []
-        self._begin(job)
+        """Whether the hook averages this bucket itself (_average_now; _all_uncoded)."""
+        return (self._all_uncoded() == "fp32" and self.process_group is None
+                and bucket.buffer().dtype == torch.float32)
 
     def _begin(self, job: "_Job") -> None:
         """The group into the pipeline: prepared, and its scalers shared and its transport started (a wait), or
@@ -214,15 +206,16 @@ class TernGradState:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
         job = jobs[0] if len(jobs) == 1 or jobs[0].group is not None else _Job.merged(jobs)
         try:
-            if job.group is not None:  # launched by the hook (_launches_now): finished in launch order
+            if job.group is not None:  # launched by the hook (_all_uncoded): finished in launch order
                 for j in jobs:
                     self._end(j)
                     if self.config.on_nonfinite != "propagate":
                         self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(j.group))
             else:
                 self._exchange(job)
-        finally:
-            self._step_done(jobs[-1])  # a step that raised has ended too, as on the other front ends
+        finally:  # after the step's last bucket (DDP's launch order ends with it), the next step; one that
+            if jobs[-1].last:  # raised has ended too, as on the other front ends
+                self.pipeline.next_step()
         return [j.buffer for j in jobs]
 
     def _exchange(self, job: "_Job") -> None:
@@ -265,13 +258,6 @@ class TernGradState:
                 f"average or the codes between nodes, seen on rank {self.world.rank}; affected: "
                 f"{', '.join(map(repr, bad[:5]))}). Every rank raises this in the same step; on_nonfinite="
                 f"'propagate' hands AMP's GradScaler a NaN average instead.")
-
-    def _step_done(self, job: "_Job") -> None:
-        """After the step's last bucket, the next step: every bucket of a step is coded with its number. The
-        worker finishes buckets in DDP's launch order, which ends with the one DDP marks last (DDP may plan
-        its buckets again after the first step, so their number is not fixed)."""
-        if job.last:
-            self.pipeline.next_step()
 
 
 def _own_group(process_group, timeout_s: float):
@@ -429,10 +415,11 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
             state._order.end_step()
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
-    launched = state._launches_now()
-    if launched:
+    launched = state._all_uncoded() == "fp16"
+    if launched:  # one average of the bucket, launched here (_all_uncoded)
+        job.coded, job.floats = job.coded + job.floats, []
         try:
-            state._launch(job)
+            state._begin(job)
         except BaseException:
             state._held = []  # the step ends here on every rank alike (the same tensors, the same options)
             raise
