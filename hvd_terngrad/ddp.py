@@ -213,8 +213,10 @@ class TernGradState:
                         self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(j.group))
             else:
                 self._exchange(job)
-        finally:  # after the step's last bucket (DDP's launch order ends with it), the next step; one that
-            if jobs[-1].last:  # raised has ended too, as on the other front ends
+        finally:  # every bucket of a step is coded with its number; the step ends with the bucket DDP marks
+            # last, which its launch order ends with (DDP may plan its buckets again after the first step, so
+            # their number is not fixed); a step that raised has ended too, as on the other front ends
+            if jobs[-1].last:
                 self.pipeline.next_step()
         return [j.buffer for j in jobs]
 
