@@ -173,10 +173,9 @@ class TernGradState:
         done = auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
         return auto.wire if done else None
 
-    def _averages_now(self, bucket: dist.GradBucket) -> bool:
-        """Whether the hook averages this bucket itself (_average_now; _all_uncoded)."""
-        return (self._all_uncoded() == "fp32" and self.process_group is None
-                and bucket.buffer().dtype == torch.float32)
+    def _averages_now(self, bucket: dist.GradBucket, wire: Optional[str]) -> bool:
+        """Whether the hook averages this bucket itself (_average_now), wire being _all_uncoded()'s."""
+        return wire == "fp32" and self.process_group is None and bucket.buffer().dtype == torch.float32
 
     def _begin(self, job: "_Job") -> None:
         """The group into the pipeline: prepared, and its scalers shared and its transport started (a wait), or
@@ -411,13 +410,14 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     ternary codes and a shared scaler per tensor. The state's worker thread exchanges the bucket (with the
     buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
     state.connect()
-    if state._averages_now(bucket):
+    wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
+    if state._averages_now(bucket, wire):
         state._send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
         if bucket.is_last():
             state._order.end_step()
         return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
-    launched = state._all_uncoded() == "fp16"
+    launched = wire == "fp16"
     if launched:  # one average of the bucket, launched here (_all_uncoded)
         job.coded, job.floats = job.coded + job.floats, []
         try:
