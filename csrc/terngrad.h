@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TG_ABI_VERSION 6
+#define TG_ABI_VERSION 7
 
 // Input element types.
 enum { TG_F32 = 0, TG_F64 = 1, TG_F16 = 2, TG_BF16 = 3 };
@@ -104,6 +104,11 @@ int tg_to_half_group(int k, const float* const* xs, const int64_t* ns, const flo
                      int nthreads);
 int tg_from_half_group(int k, const uint16_t* h, const int64_t* ns, const float* scales, float* const* outs,
                        int only_finite, double* absmax, int nthreads);
+
+// The fp32 wire of an uncoded average, scaled before its Sum: x[i] = fl32(x[i] * scale) in place, as torch's
+// x.mul_(scale) with scale in fp32, and *absmax = the largest |x[i]| after, NaN where x holds one. One pass where
+// torch takes two (the multiply, then a read of the largest or a sum).
+int tg_scale(float* x, int64_t n, float scale, double* absmax, int nthreads);
 
 // One Philox4x32-10 block, exposed for known-answer tests.
 void tg_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);

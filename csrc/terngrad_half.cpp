@@ -6,10 +6,14 @@
 // whatever the tensor's size. These do each way in one pass and one call: F16C's conversions (round to nearest
 // even, subnormals kept) on AVX-512 and AVX2, and the scalar conversions of torch elsewhere and for tails. All
 // paths give the same bits, a NaN's payload aside (tests/test_codec.py compares them with torch's).
+//
+// The fp32 wire (tg_scale: the DDP hook's own average) is scaled in place before its Sum, and its largest
+// |value| read in the same pass: the hook checks it against what N sums may hold (hvd_terngrad/ddp.py).
 #include "terngrad.h"
 #include "terngrad_internal.h"
 
 #include <cmath>
+#include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
 // GCC 12 warns inside its own avx512fintrin.h (_mm512_undefined_* in inlined intrinsics): a known false positive.
@@ -55,6 +59,20 @@ constexpr uint16_t kMagnitude = 0x7fff, kInfBits = 0x7c00;
 
 uint16_t top_bits_scalar(const uint16_t* h, int64_t b, int64_t e, uint16_t top) {
   for (int64_t i = b; i < e; ++i) top = std::max<uint16_t>(top, h[i] & kMagnitude);
+  return top;
+}
+
+// fp32's magnitudes order as their bits do too, the sign masked off (Inf's 0x7f800000, a NaN's above it).
+constexpr uint32_t kMagnitude32 = 0x7fffffff, kInfBits32 = 0x7f800000;
+
+uint32_t scale_scalar(float* x, int64_t b, int64_t e, float scale, uint32_t top) {
+  for (int64_t i = b; i < e; ++i) {
+    const float v = x[i] * scale;
+    x[i] = v;
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    top = std::max(top, u & kMagnitude32);
+  }
   return top;
 }
 
@@ -139,6 +157,35 @@ TG_AVX512 void from_half_avx512(const uint16_t* h, int64_t b, int64_t e, float s
   acc.m = std::max(acc.m, _mm512_reduce_max_ps(top));
   acc.nan = acc.nan || nan;
 }
+
+TG_AVX2 int64_t scale_avx2(float* x, int64_t b, int64_t e, float scale, uint32_t& top) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i magnitude = _mm256_set1_epi32((int)kMagnitude32);
+  __m256i t = _mm256_setzero_si256();
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+    _mm256_storeu_ps(x + i, v);
+    t = _mm256_max_epu32(t, _mm256_and_si256(_mm256_castps_si256(v), magnitude));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t);
+  for (uint32_t lane : lanes) top = std::max(top, lane);
+  return i;  // the tail is the scalar path's
+}
+
+TG_AVX512 uint32_t scale_avx512(float* x, int64_t b, int64_t e, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512i magnitude = _mm512_set1_epi32((int)kMagnitude32);
+  __m512i t = _mm512_setzero_si512();
+  for (int64_t i = b; i < e; i += 16) {
+    const __mmask16 m = e - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e - i)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s);
+    _mm512_mask_storeu_ps(x + i, m, v);
+    t = _mm512_max_epu32(t, _mm512_maskz_and_epi32(m, _mm512_castps_si512(v), magnitude));
+  }
+  return _mm512_reduce_max_epu32(t);
+}
 #endif
 
 // Ranges of whole 64-element runs; threads only from 2^22 elements: a conversion is one light pass, and below that
@@ -184,6 +231,18 @@ uint16_t top_bits_range(const uint16_t* h, int64_t b, int64_t e) {
   (void)level;
 #endif
   return top_bits_scalar(h, b, e, top);
+}
+
+uint32_t scale_range(float* x, int64_t b, int64_t e, float scale) {
+  uint32_t top = 0;
+  const int level = tg_simd_level();
+#if TG_X86
+  if (level >= 3) return scale_avx512(x, b, e, scale);
+  if (level >= 2) b = scale_avx2(x, b, e, scale, top);
+#else
+  (void)level;
+#endif
+  return scale_scalar(x, b, e, scale, top);
 }
 
 // f(b, e) of each range of whole runs of [0, n), on threads from 2^22 elements: the results in range order.
@@ -240,6 +299,17 @@ int tg_from_half(const uint16_t* h, int64_t n, float scale, float* out, int only
   }
   *absmax = largest(h, n, scale, nthreads);
   if (out && std::isfinite(*absmax)) from_half_all(h, n, scale, out, nthreads);
+  return TG_OK;
+}
+
+int tg_scale(float* x, int64_t n, float scale, double* absmax, int nthreads) {
+  if (n < 0 || !absmax || (n > 0 && !x)) return TG_EINVAL;
+  const std::vector<uint32_t> part =
+      per_range<uint32_t>(n, nthreads, [&](int64_t b, int64_t e) { return scale_range(x, b, e, scale); });
+  const uint32_t top = n ? *std::max_element(part.begin(), part.end()) : 0;
+  float m;
+  std::memcpy(&m, &top, sizeof m);
+  *absmax = top > kInfBits32 ? std::nan("") : (double)m;
   return TG_OK;
 }
 

@@ -52,7 +52,7 @@ from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES
 from hvd_terngrad.collectives.distributed import TorchCollectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError, TernGradError
-from hvd_terngrad.finite import mark, marked_rank, nonfinite, nonfinite_average
+from hvd_terngrad.finite import mark, marked_rank, marker_positions, nonfinite, nonfinite_average
 from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
 
@@ -279,18 +279,25 @@ class _OwnAverages:
     """The buckets a TernGradState averages itself in a step (TernGradState._averages_now), and what the step's
     last bucket waits for."""
 
-    __slots__ = ("sums", "nonfinite")
+    __slots__ = ("sums", "nonfinite", "markers")
 
     def __init__(self):
         self.sums: list = []  # this step's averages started here (their checks' futures), until its last bucket
         self.nonfinite: list = []  # this step's non-finite averages there, (bucket index, error), for the last
+        # bucket index -> ((world size, its parameters' ids), where its average can carry a marker): DDP may
+        # plan its buckets again, so a bucket's layout is checked, not assumed
+        self.markers: dict = {}
 
     def start(self, owner: "TernGradState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread,
-        divided by the world size before the sum (_divide). A rank whose bucket is not finite (one sum tells)
-        first marks its non-finite tensors (finite.mark), so that a non-finite average names tensor and rank on
-        every rank with no collective in a callback. The allreduce runs on the hook's own group, whose gloo
-        timeout is timeout_s: a rank that never joins fails it in bounded time, as the worker's bounded waits do.
+        divided by the world size before the sum (_divide). A rank whose bucket is not finite, or holds a value
+        beyond _sendable(size), first marks those tensors (finite.mark), so that a non-finite average names
+        tensor and rank on every rank with no collective in a callback. As no rank sends more than that, N sums
+        stay within fp32's range, and the check of the average reads the elements a marker can be at
+        (finite.marker_positions), not the whole buffer: gloo has just written it, and a pass over it was most
+        of the hook's cost beside torch's own allreduce_hook (measured: docs/time-to-accuracy.md, "The DDP
+        hook's own fp32 averages"). The allreduce runs on the hook's own group, whose gloo timeout is
+        timeout_s: a rank that never joins fails it in bounded time, as the worker's bounded waits do.
 
         A non-finite average leaves through the step's last bucket, whose future completes once every earlier
         average of the step and its check have (after; the worker's _held_back, for the same reason):
@@ -304,12 +311,13 @@ class _OwnAverages:
         named = owner._named(bucket) if pipe.coder.feedback.worker else None
         for name, grad in named or ():
             pipe.coder.merge_residual(name, grad)
-        _divide(buf, size)
-        mine = []
-        if nonfinite([buf]):
+        mine, limit = [], _sendable(size)
+        if not _divide(buf, size, pipe.coder.codec) <= limit:  # NaN included
             named = named or owner._named(bucket)
-            mine = mark([grad for _, grad in named], me)
-        pipe.stats.add_float(buf.numel() * 4, size, tensors=len(bucket.parameters()))
+            mine = mark([grad for _, grad in named], me, limit)
+        params = bucket.parameters()
+        where = self._markers(bucket, params, size)
+        pipe.stats.add_float(buf.numel() * 4, size, tensors=len(params))
         summed = dist.all_reduce(buf, group=owner.world.group, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self.nonfinite
         # The callbacks below hold the owner weakly: gloo's thread lets go of a callback after it ran, maybe after
@@ -328,14 +336,14 @@ class _OwnAverages:
                     f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
                     f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
                     f"timeout_s): {exc}") from None
-            if nonfinite([buf]):
+            if nonfinite([buf if where is None else buf.index_select(0, where)]):
                 named = named or state()._named(bucket)
                 bad = nonfinite([grad for _, grad in named])
                 if not propagate:
                     first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
                     culprit = marked_rank(named[first][1], size)
                     held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
-                                                          else culprit, step, me)))
+                                                          else culprit, step, me, limit * size)))
                 for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
                     named[i][1].fill_(float("nan"))
             return buf
@@ -352,6 +360,17 @@ class _OwnAverages:
                 state().pipeline.next_step()
 
         return self.after(summed, finish_last)
+
+    def _markers(self, bucket: dist.GradBucket, params: list, size: int) -> Optional[torch.Tensor]:
+        """Where the bucket's average can carry a marker of any of `size` ranks (finite.marker_positions);
+        params: the bucket's parameters."""
+        key = (size, tuple(map(id, params)))
+        known = self.markers.get(bucket.index())
+        if known is None or known[0] != key:
+            base = bucket.buffer().storage_offset()
+            offsets = [(g.storage_offset() - base, g.numel()) for g in bucket.gradients()]
+            known = self.markers[bucket.index()] = (key, marker_positions(offsets, size))
+        return known[1]
 
     def after(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
         """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
@@ -372,13 +391,22 @@ class _OwnAverages:
         return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
 
 
-def _divide(buf: torch.Tensor, size: int) -> None:
-    """buf * (1/size) in place, before the allreduce: DDP's own allreduce scales so (its reducer multiplies each
-    gradient by 1/size as it copies it into the bucket), and so the average is DDP's to the bit for any world
-    size. There backward has just written the bucket and it is in cache; after the sum, the division ran on
-    gloo's thread over a buffer gloo had just written, on the step's critical path (measured:
-    docs/time-to-accuracy.md, "The DDP hook's own fp32 averages")."""
-    buf.mul_(1.0 / size)
+def _sendable(size: int) -> float:
+    """The largest |value| a rank sends in a bucket it averages itself (_OwnAverages.start): `size` of them sum
+    to at most half of fp32's largest, with room for any rounding, so no finite average overflows. A larger
+    one, a gradient within a factor 2 of fp32's largest, counts as an overflow, as AMP's GradScaler counts the
+    Inf it would soon be."""
+    return torch.finfo(torch.float32).max / (2 * size)
+
+
+def _divide(buf: torch.Tensor, size: int, codec) -> float:
+    """buf * (1/size) in place, before the allreduce, and its largest |value| after (NaN where it holds one),
+    in one pass of the codec. DDP's own allreduce scales so (its reducer multiplies each gradient by 1/size as
+    it copies it into the bucket), and so the average is DDP's to the bit for any world size. There backward
+    has just written the bucket and it is in cache; after the sum, the division ran on gloo's thread over a
+    buffer gloo had just written, on the step's critical path (measured: docs/time-to-accuracy.md, "The DDP
+    hook's own fp32 averages")."""
+    return codec.scale(buf, 1.0 / size)
 
 
 class _Job:

@@ -34,21 +34,25 @@ def absmax(x: torch.Tensor) -> float:
     return max(-float(lo), float(hi)) if not math.isnan(float(lo)) else math.nan
 
 
-def nonfinite_average(name: str, culprit: int, step: int, rank: int) -> NonFiniteGradientError:
+def nonfinite_average(name: str, culprit: int, step: int, rank: int, limit: float | None = None
+                      ) -> NonFiniteGradientError:
     """The error for a float average (uncoded) that is not finite: every rank raises it in the same step.
-    culprit: the rank whose gradient was non-finite, or -1 where none was (finite values whose sum is not)."""
+    culprit: the rank whose gradient was non-finite, or -1 where none was (finite values whose sum is not).
+    limit: where a gradient beyond ±limit counted as an overflow too (mark)."""
+    what = "non-finite (NaN/Inf)" if limit is None else f"non-finite (NaN/Inf, or beyond ±{limit:.3g})"
     whose = f"gradient in {name!r} on rank {culprit}" if culprit >= 0 else f"average of {name!r}"
-    return NonFiniteGradientError(f"hvd_terngrad: non-finite (NaN/Inf) {whose} at step {step}, averaged uncoded "
+    return NonFiniteGradientError(f"hvd_terngrad: {what} {whose} at step {step}, averaged uncoded "
                                   f"(reported on rank {rank}; every rank sees the same average)")
 
 
-def mark(tensors: list[torch.Tensor], rank: int) -> list[int]:
-    """Before a Sum allreduce, on a rank some of whose tensors hold NaN or Inf: each such tensor becomes zeros
-    with +Inf at element `rank` (NaN throughout where it has no such element). Summed with finite tensors, and
-    with the other such ranks' markers, its average is then +Inf at the element of each such rank and finite
-    elsewhere, so every rank can tell whose gradient was non-finite with no second collective. Returns the
-    indices of the tensors marked."""
-    bad = nonfinite(tensors)
+def mark(tensors: list[torch.Tensor], rank: int, limit: float | None = None) -> list[int]:
+    """Before a Sum allreduce, on a rank some of whose tensors hold NaN or Inf (or, given limit, a value beyond
+    ±limit): each such tensor becomes zeros with +Inf at element `rank` (NaN throughout where it has no such
+    element). Summed with finite tensors, and with the other such ranks' markers, its average is then +Inf at
+    the element of each such rank and finite elsewhere, so every rank can tell whose gradient was non-finite
+    with no second collective, by reading each tensor's first elements (marker_positions). Returns the indices
+    of the tensors marked."""
+    bad = nonfinite(tensors) if limit is None else [i for i, t in enumerate(tensors) if not absmax(t) <= limit]
     for i in bad:
         flat = tensors[i].view(-1)
         if flat.numel() > rank:
@@ -64,3 +68,15 @@ def marked_rank(average: torch.Tensor, size: int) -> int:
     values whose sum is not, or a tensor too small to carry one)."""
     hits = torch.isposinf(average.reshape(-1)[:size]).nonzero()
     return int(hits[0]) if hits.numel() else -1
+
+
+def marker_positions(offsets: list[tuple[int, int]], size: int) -> torch.Tensor | None:
+    """The elements of a flat buffer where mark() of any of `size` ranks can leave its marker: the first `size`
+    elements of each tensor, given as (offset, elements). None where they are most of the buffer (read it all).
+    Where every rank sends values no Sum can take beyond fp32's range, the average is finite exactly where
+    these elements are, so a check of the average reads them alone, not the whole buffer."""
+    picked = [torch.arange(off, off + min(n, size)) for off, n in offsets if n]
+    total = sum(min(n, size) for _, n in offsets)
+    if not picked or 2 * total >= sum(n for _, n in offsets):
+        return None
+    return torch.cat(picked)

@@ -336,6 +336,9 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     at = [0]  # the step the loop is at
     if bf16 and rank == 1:  # a NaN in one fp32 tensor only: the bf16 bucket stays finite
         model.net.body[4].weight.register_hook(lambda g: g * float("nan") if at[0] == PLAN_STEP + 1 else g)
+    if layout == "huge" and rank == 1:  # one finite value in one tensor, within a factor 2 of fp32's largest
+        model.body[4].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([7]), 3e38)
+                                           if at[0] == PLAN_STEP + 1 else g)
     ddp.register_comm_hook(state, hvd_terngrad.ddp.terngrad_hook)  # as _slow_average_callbacks left it
     if late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
         average_now = TernGradState._average_now
@@ -353,7 +356,7 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
         if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
             time.sleep(60)
         try:
-            nan = (rank, step) == (1, PLAN_STEP + 1) and not bf16
+            nan = (rank, step) == (1, PLAN_STEP + 1) and not bf16 and layout != "huge"
             (loss * (float("nan") if nan else 1.0)).backward()
             if fault == "propagate":  # per step: whether every gradient is all NaN, or all finite
                 grads = [p.grad for p in model.parameters()]
@@ -411,6 +414,18 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
         assert "NonFiniteGradientError" in message and f"on rank 1 at step {step}, averaged uncoded" in message, \
             message
     assert results[0][1].split("(reported")[0] == results[1][1].split("(reported")[0]  # the same tensor
+
+
+@pytest.mark.mpi
+def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank():
+    """The hook's own fp32 average reads only where a marker can be, which holds because no rank sends a value
+    whose sum could overflow: one beyond half of fp32's largest is marked as an overflow, and raised on every
+    rank with its tensor and rank, though the rest of the average would have been finite."""
+    results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
+                        args=(29685, "nan", 0.0, "huge"))
+    for step, message in results:
+        assert step == PLAN_STEP + 1
+        assert "gradient in 'body.4.weight' on rank 1 at step" in message and "beyond ±1.7e+38" in message, message
 
 
 @pytest.mark.mpi

@@ -206,6 +206,27 @@ def test_feedback_rounds_as_torch_across_the_whole_range(dtype, simd):
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 1000, 300_001, (1 << 22) + 5])
+def test_the_fp32_wire_scales_in_place_with_torchs_bits_and_reads_the_largest_value(n, simd):
+    """Codec.scale (the DDP hook's own fp32 average, before its Sum) on the C++ paths against torch's x.mul_:
+    every fp32 bit pattern (subnormals, overflow to Inf) times factors that are and are not powers of two, and
+    the largest |value| after, an Inf's and a NaN's included."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(-2**31, 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)  # NaN's payload aside, checked below
+    for factor in (1.0 / 3, 0.25, 1.0 / 7, 2.0 ** 100):
+        got, ref = x.clone(), x.clone()
+        m = codec.scale(got, factor, backend="cpu")
+        assert _same_float(m, reference.scale(ref, factor))
+        assert torch.equal(_bits(got), _bits(ref)), factor
+    if n:
+        y = torch.randn(n, generator=gen)
+        y[n // 2] = -math.inf
+        assert codec.scale(y, 0.5, backend="cpu") == math.inf
+        y[n - 1] = math.nan
+        assert math.isnan(codec.scale(y, 0.5, backend="cpu"))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 63, 64, 65, 1000, 300_001, (1 << 22) + 5])
 def test_the_16_bit_wire_gives_torchs_bits_each_way_and_the_largest_value(n, simd):
     """Codec.to_half and from_half (the fp16 wire of an uncoded average) on the C++ paths against torch's ops:
     every fp32 bit pattern's product rounded as torch rounds it (subnormal halves, ties, overflow to Inf), and

@@ -1,5 +1,7 @@
 """Hardening: a lost rank, gradients of every shape and dtype, fuzzing of the codec and the records."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -236,3 +238,36 @@ def test_a_marked_sum_tells_every_rank_whose_tensor_was_non_finite():
     assert [marked_rank(s, 4) for s in sums[:2]] == [1, -1]
     assert torch.isposinf(sums[0][[1, 3]]).all() and torch.isfinite(sums[0][[0, 2]]).all()
     assert torch.isfinite(sums[0][4:]).all()
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_where_no_rank_sends_beyond_the_limit_the_marker_positions_tell_a_non_finite_average(size):
+    """The DDP hook's own fp32 average checks only finite.marker_positions: with every rank's values within
+    ddp._sendable(size), or marked, a sum (here in every rank order) is non-finite exactly where a rank marked a
+    tensor, and its marker positions show it, values at the limit and tensors smaller than the world included."""
+    from hvd_terngrad.ddp import _sendable
+    from hvd_terngrad.finite import absmax, mark, marker_positions, nonfinite
+
+    limit, g = _sendable(size), torch.Generator().manual_seed(size)
+    for trial in range(40):
+        numels = [int(n) for n in torch.randint(1, 400, (5,), generator=g)] + [1]
+        offsets = [(sum(numels[:i]), n) for i, n in enumerate(numels)]
+        where = marker_positions(offsets, size)
+        bufs, marked = [], set()
+        for r in range(size):
+            buf = (torch.rand(sum(numels), generator=g) * 2 - 1) * limit  # as far as a rank may send
+            buf[offsets[2][0] + offsets[2][1] - 1] = limit  # the limit itself, in the same place on every rank
+            if trial % 3 == 0 and r == trial % size:  # a NaN, an Inf or a finite value beyond the limit
+                at = int(torch.randint(0, buf.numel(), (1,), generator=g))
+                buf[at] = (math.nan, math.inf, 1.01 * limit)[trial % 9 // 3]
+            views = [buf[o: o + n] for o, n in offsets]
+            if not absmax(buf) <= limit:
+                marked |= set(mark(views, r, limit))
+            bufs.append(buf)
+        for order in (range(size), reversed(range(size))):
+            total = torch.zeros(sum(numels))
+            for r in order:
+                total += bufs[r]
+            bad = nonfinite([total[o: o + n] for o, n in offsets])
+            assert set(bad) == marked
+            assert bool(nonfinite([total if where is None else total[where]])) == bool(marked)

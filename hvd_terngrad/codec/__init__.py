@@ -11,6 +11,8 @@ and the 16-bit wire of an uncoded average (section 9: transports.uncoded), a pow
     to_half(x, scale, out=None)               -> fp16 tensor of x * scale
     from_half(h, scale, out=None)             -> the largest |h / scale|, and h / scale into out
     to_halves(xs, scales, out), from_halves(h, sizes, scales, outs=None)   a group's, in one call
+and the fp32 wire of the DDP hook's own average:
+    scale(x, factor)                          -> x *= factor in place, and the largest |x| after
 Error feedback is fused into the coding (docs/wire-format.md, section 13): moments(x, residual=r) and
 ternarize_pack(..., residual=r, residual_out=r) code x + r without forming it and write the new residual in place.
 
@@ -85,6 +87,7 @@ class Backend(Protocol):
     # a group back to back in one fp16 tensor, in one call where the backend can (Codec.to_halves)
     def to_halves(self, xs, scales: list[float], out) -> None: ...
     def from_halves(self, h, sizes: list[int], scales: list[float], outs, only_finite: bool) -> list[float]: ...
+    def scale(self, x, factor: float) -> float: ...  # x: contiguous fp32, in place
 
 
 def _cuda_backend(nthreads):
@@ -367,6 +370,14 @@ class Codec:
                     raise ValueError("outs must hold a tensor of each size (or None), on the average's device")
         return self.impl(h).from_halves(h, sizes, scales, outs, only_finite) if sizes else []
 
+    # The fp32 wire of the DDP hook's own average (hvd_terngrad.ddp._OwnAverages).
+    def scale(self, x: torch.Tensor, factor: float) -> float:
+        """x *= factor in place (factor rounded to fp32, as torch's x.mul_(factor)), and the largest |x| after
+        (NaN where x holds a NaN): one pass on the CPU backend, where torch takes two."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"scale works in place on a contiguous fp32 tensor, not {x.dtype}")
+        return self.impl(x).scale(x, factor)
+
 
 def scale_blocks_(values: torch.Tensor, factors: torch.Tensor, block_size: int, start: int = 0) -> torch.Tensor:
     """values[i] *= factors[(start + i) // block_size], in place, one fp32 multiply an element: the block
@@ -411,3 +422,4 @@ decode_packed_sums = _unbound("decode_packed_sums")
 decode_packed_sums_blocks = _unbound("decode_packed_sums_blocks")
 to_half = _unbound("to_half")
 from_half = _unbound("from_half")
+scale = _unbound("scale")

@@ -16,7 +16,7 @@ import torch
 from hvd_terngrad.codec import reference
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _lib = None
 _error: str | None = None
@@ -72,6 +72,8 @@ def _load():
     lib.tg_from_half.argtypes = [vp, i64, ctypes.c_float, vp, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
                                  ctypes.c_int]
     lib.tg_from_half.restype = ctypes.c_int
+    lib.tg_scale.argtypes = [vp, i64, ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+    lib.tg_scale.restype = ctypes.c_int
     lib.tg_to_half_group.argtypes = [ctypes.c_int, vp, vp, vp, vp, ctypes.c_int]
     lib.tg_to_half_group.restype = ctypes.c_int
     lib.tg_from_half_group.argtypes = [ctypes.c_int, vp, vp, vp, vp, ctypes.c_int, vp, ctypes.c_int]
@@ -242,6 +244,15 @@ def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_fini
     return m.value
 
 
+def scale(x: torch.Tensor, factor: float, nthreads: int | None = None) -> float:
+    """x *= factor in place (contiguous fp32; factor rounded to fp32, as torch's x.mul_(factor)): the largest |x|
+    after, NaN where x holds one. One pass."""
+    n, out = x.numel(), ctypes.c_double()
+    _check(_lib_or_raise().tg_scale(x.data_ptr(), n, factor, ctypes.byref(out), nthreads or _threads_for(n)),
+           "scale")
+    return out.value
+
+
 def to_half_group(xs: list[torch.Tensor], scales: list[float], out: torch.Tensor, nthreads: int | None = None) -> None:
     """to_half of each x (contiguous fp32) back to back in out (contiguous fp16 of their total size), one call."""
     ns = array.array("q", [x.numel() for x in xs])  # held until the call returns: it reads them
@@ -316,6 +327,9 @@ class CpuBackend:
 
     def decode_packed_sums(self, packed, nranks, start, n, scaler, out):
         decode_packed_sums(packed, nranks, start, n, scaler, out, self.nthreads)
+
+    def scale(self, x, factor):
+        return scale(x, factor, self.nthreads)
 
     def to_half(self, x, scale, out):
         if x.dtype != torch.float32:  # the kernel reads fp32 gradients, by far the usual ones

@@ -223,6 +223,7 @@ class CudaBackend:
     # the 16-bit wire: torch's own ops, which run as one kernel each on the GPU
     to_half = staticmethod(reference.to_half)
     from_half = staticmethod(reference.from_half)
+    scale = staticmethod(reference.scale)
     to_halves = staticmethod(reference.to_halves)
     from_halves = staticmethod(reference.from_halves)
 

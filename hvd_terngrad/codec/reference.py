@@ -237,6 +237,13 @@ def to_half(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     torch.mul(x.reshape(out.shape), _factor(scale, x.device) if x.dtype == torch.float16 else scale, out=out)
 
 
+def scale(x: torch.Tensor, factor: float) -> float:
+    """x *= factor in place (fl32 of each product, factor in fp32), and the largest |x| after, NaN where x
+    holds one."""
+    x.mul_(factor)
+    return absmax(x)
+
+
 def from_half(h: torch.Tensor, scale: float, out: torch.Tensor | None, only_finite: bool) -> float:
     """The largest |h / scale| (NaN where h holds one); h / scale in fp32 (exact) into out where given, with
     only_finite only where that largest is finite."""
@@ -332,3 +339,4 @@ class ReferenceBackend:
     from_half = staticmethod(from_half)
     to_halves = staticmethod(to_halves)
     from_halves = staticmethod(from_halves)
+    scale = staticmethod(scale)
