@@ -39,6 +39,7 @@ size") or hangs it; torch's powerSGD_hook does exactly this on an emulated 1 Gbi
 runs any DDP hook the safe way, and the benchmarks run PowerSGD through it.
 """
 import datetime
+import math
 import queue
 import threading
 import time
@@ -284,9 +285,7 @@ class _OwnAverages:
     def __init__(self):
         self.sums: list = []  # this step's averages started here (their checks' futures), until its last bucket
         self.nonfinite: list = []  # this step's non-finite averages there, (bucket index, error), for the last
-        # bucket index -> ((world size, its parameters' ids), where its average can carry a marker): DDP may
-        # plan its buckets again, so a bucket's layout is checked, not assumed
-        self.markers: dict = {}
+        self.markers: dict = {}  # bucket index -> its _Markers
 
     def start(self, owner: "TernGradState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average as DDP's own allreduce makes it: in place, started here, no worker thread,
@@ -311,12 +310,11 @@ class _OwnAverages:
         named = owner._named(bucket) if pipe.coder.feedback.worker else None
         for name, grad in named or ():
             pipe.coder.merge_residual(name, grad)
-        mine, limit = [], _sendable(size)
-        if not _divide(buf, size, pipe.coder.codec) <= limit:  # NaN included
+        params = bucket.parameters()
+        markers, mine, limit = self._markers(bucket, params, size, pipe.coder.codec), [], _sendable(size)
+        if not _divide(buf, size, markers.scale) <= limit:  # NaN included
             named = named or owner._named(bucket)
             mine = mark([grad for _, grad in named], me, limit)
-        params = bucket.parameters()
-        where = self._markers(bucket, params, size)
         pipe.stats.add_float(buf.numel() * 4, size, tensors=len(params))
         summed = dist.all_reduce(buf, group=owner.world.group, async_op=True).get_future()
         step, last, index, held = pipe.step, bucket.is_last(), bucket.index(), self.nonfinite
@@ -336,7 +334,7 @@ class _OwnAverages:
                     f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
                     f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
                     f"timeout_s): {exc}") from None
-            if nonfinite([buf if where is None else buf.index_select(0, where)]):
+            if not _finite_average(markers, buf):
                 named = named or state()._named(bucket)
                 bad = nonfinite([grad for _, grad in named])
                 if not propagate:
@@ -361,16 +359,15 @@ class _OwnAverages:
 
         return self.after(summed, finish_last)
 
-    def _markers(self, bucket: dist.GradBucket, params: list, size: int) -> Optional[torch.Tensor]:
-        """Where the bucket's average can carry a marker of any of `size` ranks (finite.marker_positions);
-        params: the bucket's parameters."""
-        key = (size, tuple(map(id, params)))
+    def _markers(self, bucket: dist.GradBucket, params: list, size: int, codec) -> "_Markers":
+        """Where the bucket's average can carry a marker of any of `size` ranks, kept while its buffer and layout
+        last (DDP may plan its buckets again, so they are checked, not assumed); params: its parameters."""
+        buf = bucket.buffer()
+        key = (size, buf.data_ptr(), tuple(map(id, params)))
         known = self.markers.get(bucket.index())
-        if known is None or known[0] != key:
-            base = bucket.buffer().storage_offset()
-            offsets = [(g.storage_offset() - base, g.numel()) for g in bucket.gradients()]
-            known = self.markers[bucket.index()] = (key, marker_positions(offsets, size))
-        return known[1]
+        if known is None or known.key != key:
+            known = self.markers[bucket.index()] = _Markers(key, bucket, size, codec)
+        return known
 
     def after(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
         """The future of the step's last bucket (`last`, its value finish(last)), completed once every average
@@ -391,22 +388,52 @@ class _OwnAverages:
         return (torch.futures.collect_all(sums + [last]) if sums else last).then(finish_step)
 
 
+class _Markers:
+    """Where a bucket's average can carry a marker (finite.marker_positions), and how to read them."""
+
+    __slots__ = ("key", "where", "at", "values", "scale")
+
+    def __init__(self, key: tuple, bucket: dist.GradBucket, size: int, codec):
+        buf = bucket.buffer()
+        offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
+        self.key = key  # (world size, the buffer's address, its parameters' ids): this holds the buffer (values)
+        self.where = marker_positions(offsets, size)  # None: most of the buffer, read it all
+        cpu = self.where is not None and buf.device.type == "cpu"
+        self.at = self.where.tolist() if cpu else None  # the same, as Python ints
+        # the buffer's elements as Python floats: on the CPU the check reads them with no torch op on gloo's
+        # thread, where one op's dispatch alone cost about 40 µs (measured: docs/time-to-accuracy.md, "The DDP
+        # hook's own fp32 averages")
+        self.values = memoryview(buf.numpy()) if cpu else None
+        self.scale = codec.impl(buf).scale  # the codec's backend for the buffer (Backend.scale)
+
+
+def _finite_average(markers: _Markers, buf: torch.Tensor) -> bool:
+    """Whether a bucket's average is finite, read where a marker can be (or all of it): where no rank sent more
+    than _sendable, nothing else can be non-finite."""
+    if markers.values is not None:
+        return all(map(math.isfinite, map(markers.values.__getitem__, markers.at)))
+    return not nonfinite([buf if markers.where is None else buf.index_select(0, markers.where)])
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _sendable(size: int) -> float:
     """The largest |value| a rank sends in a bucket it averages itself (_OwnAverages.start): `size` of them sum
     to at most half of fp32's largest, with room for any rounding, so no finite average overflows. A larger
     one, a gradient within a factor 2 of fp32's largest, counts as an overflow, as AMP's GradScaler counts the
     Inf it would soon be."""
-    return torch.finfo(torch.float32).max / (2 * size)
+    return _FP32_MAX / (2 * size)
 
 
-def _divide(buf: torch.Tensor, size: int, codec) -> float:
+def _divide(buf: torch.Tensor, size: int, scale) -> float:
     """buf * (1/size) in place, before the allreduce, and its largest |value| after (NaN where it holds one),
     in one pass of the codec. DDP's own allreduce scales so (its reducer multiplies each gradient by 1/size as
     it copies it into the bucket), and so the average is DDP's to the bit for any world size. There backward
     has just written the bucket and it is in cache; after the sum, the division ran on gloo's thread over a
     buffer gloo had just written, on the step's critical path (measured: docs/time-to-accuracy.md, "The DDP
-    hook's own fp32 averages")."""
-    return codec.scale(buf, 1.0 / size)
+    hook's own fp32 averages"). scale: the codec backend's (Backend.scale; buf is contiguous fp32)."""
+    return scale(buf, 1.0 / size)
 
 
 class _Job:

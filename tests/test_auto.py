@@ -381,19 +381,19 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
 
     import hvd_terngrad.ddp as ddp
 
-    check, hook = ddp.nonfinite, ddp.terngrad_hook
+    check, hook = ddp._finite_average, ddp.terngrad_hook
 
-    def slow_check(tensors):
+    def slow_check(markers, buf):
         if threading.current_thread() is not threading.main_thread():  # gloo's callback thread
             time.sleep(callback_s)
-        return check(tensors)
+        return check(markers, buf)
 
     def late_hook(state, bucket):
         if bucket.buffer().dtype == torch.bfloat16:
             time.sleep(bf16_hook_s)
         return hook(state, bucket)
 
-    ddp.nonfinite, ddp.terngrad_hook = slow_check, late_hook
+    ddp._finite_average, ddp.terngrad_hook = slow_check, late_hook
 
 
 @pytest.mark.mpi
