@@ -98,6 +98,27 @@ def _waits(method: str):
         coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S = saved
 
 
+class Wide:
+    """--task wide: four 2048×2048 layers and a classifier (16.8M parameters: three of DDP's 25 MB buckets) on
+    a fixed random batch of 8 a rank. The step's time only, where a pass over a bucket costs more than an op's
+    dispatch: a stand-in for a large model, which the fidelity suite has not."""
+
+    class task:  # noqa: N801  (as fidelity_suite's Task)
+        name, batch, classifier = "wide", 8, "4.*"
+
+    def model(self):
+        import torch
+
+        return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)], torch.nn.Linear(2048, 10))
+
+    def loss(self, net, idx):
+        import torch
+
+        g = torch.Generator().manual_seed(int(idx[0]))
+        x, y = torch.randn(len(idx), 2048, generator=g), torch.randint(0, 10, (len(idx),), generator=g)
+        return torch.nn.functional.cross_entropy(net(x), y)
+
+
 def _force_uncoded(wire: str) -> None:
     """Every AutoPlan made from now on plans one trial, every group uncoded in `wire`, and keeps it untried."""
     import hvd_terngrad.auto as auto
@@ -111,7 +132,7 @@ def _force_uncoded(wire: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="ncf")
+    ap.add_argument("--task", default="ncf", help="a fidelity-suite task, or `wide` (Wide)")
     ap.add_argument("--methods", default="fp32,float,terngrad:auto")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
@@ -140,7 +161,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
-    data = Data(TASKS[args.task])
+    data = Wide() if args.task == "wide" else Data(TASKS[args.task])
     idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
     for method in methods:
         torch.manual_seed(0)

@@ -34,3 +34,14 @@ def test_naps_nap_a_millisecond_from_the_first_poll_for_their_method_only():
         assert (spin, polls, nap) == (0.0, 1, 1e-3) and fraction < 1e-6  # min(waited / fraction, 1 ms): 1 ms
         raise RuntimeError("a step that fails still puts the waits back")
     assert _waits() == before
+
+
+def test_the_wide_task_is_a_large_model_on_a_fixed_batch_a_rank():
+    """--task wide: three of DDP's 25 MB buckets' worth of parameters, the same batch each step on a rank."""
+    import torch
+
+    from benchmarks.step_probe import Wide
+
+    net, idx = Wide().model(), torch.arange(8, 16)
+    assert sum(p.numel() for p in net.parameters()) == 4 * 2048 * 2049 + 2049 * 10
+    assert torch.equal(Wide().loss(net, idx), Wide().loss(net, idx)) and torch.isfinite(Wide().loss(net, idx))
