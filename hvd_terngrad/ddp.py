@@ -292,11 +292,10 @@ class _OwnAverages:
         divided by the world size before the sum (_divide). A rank whose bucket is not finite, or holds a value
         beyond _sendable(size), first marks those tensors (finite.mark), so that a non-finite average names
         tensor and rank on every rank with no collective in a callback. As no rank sends more than that, N sums
-        stay within fp32's range, and the check of the average reads the elements a marker can be at
-        (finite.marker_positions), not the whole buffer: gloo has just written it, and a pass over it was most
-        of the hook's cost beside torch's own allreduce_hook (measured: docs/time-to-accuracy.md, "The DDP
-        hook's own fp32 averages"). The allreduce runs on the hook's own group, whose gloo timeout is
-        timeout_s: a rank that never joins fails it in bounded time, as the worker's bounded waits do.
+        stay within fp32's range, and the check of the average reads only the elements a marker can be at
+        (_Markers), not the whole buffer gloo has just written. The allreduce runs on the hook's own group,
+        whose gloo timeout is timeout_s: a rank that never joins fails it in bounded time, as the worker's
+        bounded waits do.
 
         A non-finite average leaves through the step's last bucket, whose future completes once every earlier
         average of the step and its check have (after; the worker's _held_back, for the same reason):
@@ -367,6 +366,8 @@ class _OwnAverages:
         known = self.markers.get(bucket.index())
         if known is None or known.key != key:
             known = self.markers[bucket.index()] = _Markers(key, bucket, size, codec)
+            if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
+                self.markers = {i: m for i, m in self.markers.items() if i <= bucket.index()}
         return known
 
     def after(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
