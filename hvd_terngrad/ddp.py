@@ -310,7 +310,7 @@ class _OwnAverages:
         for name, grad in named or ():
             pipe.coder.merge_residual(name, grad)
         params = bucket.parameters()
-        markers, mine, limit = self._markers(bucket, params, size, pipe.coder.codec), [], _sendable(size)
+        markers, mine, limit = self._markers(bucket, buf, params, size, pipe.coder.codec), [], _sendable(size)
         if not _divide(buf, size, markers.scale) <= limit:  # NaN included
             named = named or owner._named(bucket)
             mine = mark([grad for _, grad in named], me, limit)
@@ -358,14 +358,14 @@ class _OwnAverages:
 
         return self.after(summed, finish_last)
 
-    def _markers(self, bucket: dist.GradBucket, params: list, size: int, codec) -> "_Markers":
+    def _markers(self, bucket: dist.GradBucket, buf: torch.Tensor, params: list, size: int, codec) -> "_Markers":
         """Where the bucket's average can carry a marker of any of `size` ranks, kept while its buffer and layout
-        last (DDP may plan its buckets again, so they are checked, not assumed); params: its parameters."""
-        buf = bucket.buffer()
+        last (DDP may plan its buckets again, so they are checked, not assumed); buf, params: its buffer and
+        parameters."""
         key = (size, buf.data_ptr(), tuple(map(id, params)))
         known = self.markers.get(bucket.index())
         if known is None or known.key != key:
-            known = self.markers[bucket.index()] = _Markers(key, bucket, size, codec)
+            known = self.markers[bucket.index()] = _Markers(key, bucket, buf, size, codec)
             if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
                 self.markers = {i: m for i, m in self.markers.items() if i <= bucket.index()}
         return known
@@ -394,8 +394,7 @@ class _Markers:
 
     __slots__ = ("key", "where", "at", "values", "scale")
 
-    def __init__(self, key: tuple, bucket: dist.GradBucket, size: int, codec):
-        buf = bucket.buffer()
+    def __init__(self, key: tuple, bucket: dist.GradBucket, buf: torch.Tensor, size: int, codec):
         offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
         self.key = key  # (world size, the buffer's address, its parameters' ids): this holds the buffer (values)
         self.where = marker_positions(offsets, size)  # None: most of the buffer, read it all
