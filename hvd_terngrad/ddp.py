@@ -192,6 +192,12 @@ class TernGradState:
         self.pipeline.progress(job.group, block=True)  # the second collective of a sharded transport
         self.pipeline.finish_into(job.group, [v for _, v in job.coded])
 
+    def _raise_nonfinite(self, job: "_Job") -> None:
+        """The group's non-finite averages raised, the same names on every rank, unless on_nonfinite="propagate"
+        hands them to AMP's GradScaler (_end left them NaN)."""
+        if self.config.on_nonfinite != "propagate":
+            self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(job.group))
+
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
         return self._own.start(self, bucket)
@@ -209,8 +215,7 @@ class TernGradState:
             if job.group is not None:  # launched by the hook (_all_uncoded): finished in launch order
                 for j in jobs:
                     self._end(j)
-                    if self.config.on_nonfinite != "propagate":
-                        self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(j.group))
+                    self._raise_nonfinite(j)
             else:
                 self._exchange(job)
         finally:  # every bucket of a step is coded with its number; the step ends with the bucket DDP marks
@@ -240,8 +245,8 @@ class TernGradState:
         # exchange): the node's verdict; otherwise the pipeline's
         if node is not None or (h is not None and h.cross is None and job.coded):
             self._finish_in_node(job)  # the coder's decoded averages to the rest of its node
-        elif job.group is not None and self.config.on_nonfinite != "propagate":
-            pipe.coder.raise_nonfinite(pipe.nonfinite(job.group))
+        elif job.group is not None:
+            self._raise_nonfinite(job)
         if floats is not None:
             avg, off = comm.wait(floats, f"the float average of DDP bucket {job.index}"), 0
             for _, v in job.floats:
