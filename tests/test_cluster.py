@@ -66,10 +66,17 @@ def test_ctrl_c_cleans_up():
     proc = subprocess.Popen([sys.executable, "benchmarks/cluster.py", "run", "--nodes", "2", "--profile", "fast",
                              "--", "sleep", marker], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    # its own namespaces only (EmulatedCluster's tag starts with its pid): another test's cluster may come up
+    # at the same time, under pytest's parallel workers, and go down on its own schedule
+    prefix = f"hvdtg-{proc.pid % 10000:04d}"
+
+    def own():
+        return {n for n in _namespaces() - before if n.startswith(prefix)}
+
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (_namespaces() - before):
+    while time.monotonic() < deadline and not own():
         time.sleep(0.2)
-    created = _namespaces() - before
+    created = own()
     assert created, "the cluster never came up"
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
