@@ -1,12 +1,21 @@
-"""Build hvd_terngrad: pure Python plus one C++ shared library (csrc/) with a plain C ABI.
+"""Build hvd_terngrad: pure Python plus one C++ shared library (csrc/) with a plain C ABI, and, where torch can be
+imported at build time, the DDP hook's C++ path (csrc/ddp_hook.cpp).
 
 The library is loaded with ctypes (see hvd_terngrad/codec/cpu.py), so it links against neither
 libpython nor libtorch; it is built as an extension module only so that setuptools compiles and
-installs it in the usual way.
+installs it in the usual way. The hook's C++ path is a torch extension, hvd_terngrad._ddp_hook: it works with the
+torch it was built against only, and where it is missing or does not load, the hook runs in Python
+(hvd_terngrad/ddp.py, TernGradState.register). pip builds in an isolated environment without torch unless
+given --no-build-isolation, as scripts/install.sh does.
 """
 import os
 
 from setuptools import Extension, find_packages, setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # no torch at build time: the hook stays in Python
+    BuildExtension = CppExtension = None
 
 cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra", "-pthread"]
 if os.environ.get("HVD_TERNGRAD_DEBUG"):
@@ -28,7 +37,9 @@ setup(
             extra_compile_args=cxx_flags,
             extra_link_args=["-pthread"],
         )
-    ],
+    ] + ([CppExtension("hvd_terngrad._ddp_hook", sources=["csrc/ddp_hook.cpp"],
+                       extra_compile_args=["-O2", "-g0", "-std=c++20", "-Wall"])] if CppExtension else []),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)} if BuildExtension else {},
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy"],
     # Horovod is optional: the DDP hook (hvd_terngrad.ddp) needs torch alone. Horovod 0.28.1 builds against

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from examples.digits import DigitsCNN, accuracy, load_data
 from hvd_terngrad import TernGradConfig
-from hvd_terngrad.ddp import InLaunchOrder, TernGradState, bf16_hook, in_launch_order, terngrad_hook
+from hvd_terngrad.ddp import InLaunchOrder, TernGradState, bf16_hook, in_launch_order
 
 METHODS = ("fp32", "fp16", "bf16", "powersgd", "terngrad", "terngrad-recommended")
 
@@ -44,7 +44,7 @@ def wrap(method: str, model: torch.nn.Module, seed: int):
     elif method.startswith("terngrad"):
         cfg = TernGradConfig.recommended(seed=seed) if method == "terngrad-recommended" else TernGradConfig(seed=seed)
         state = TernGradState(model.named_parameters(), config=cfg)
-        ddp.register_comm_hook(state, terngrad_hook)
+        state.register(ddp)  # terngrad_hook, with its C++ path in front where it is built
         return ddp, state
     return ddp, None
 

@@ -1,9 +1,9 @@
 """TernGrad for PyTorch DistributedDataParallel: a communication hook on the same exchange pipeline.
 
-    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from hvd_terngrad.ddp import TernGradState
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = TernGradState(model.named_parameters(), config=TernGradConfig.recommended())
-    ddp.register_comm_hook(state, terngrad_hook)
+    state.register(ddp)  # ddp.register_comm_hook(state, terngrad_hook), with the C++ path below in front
 
 No Horovod: the collectives are torch.distributed's (gloo on CPU, NCCL on GPU; collectives.distributed), and
 `torchrun` launches the job. The hook's collectives run on a process group of its own over DDP's ranks,
@@ -28,9 +28,11 @@ expects of a hook, the future's value is the bucket's average (DDP does not divi
 Where transport="auto" sends every bucket uncoded in fp32, no coded bucket's collectives need keeping in order,
 and the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
 (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
-collective in a callback). In fp16 a tensor that outgrew its scale needs a second average (transports.uncoded),
-which a callback may not start: the hook launches each bucket's fp16 average itself, in launch order, and the
-worker finishes the step's buckets after the last launch (TernGradState._all_uncoded).
+collective in a callback). Registered with TernGradState.register, those averages run in C++ once auto has
+decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast link 5-6%. In fp16 a
+tensor that outgrew its scale needs a second average (transports.uncoded), which a callback may not start: the
+hook launches each bucket's fp16 average itself, in launch order, and the worker finishes the step's buckets
+after the last launch (TernGradState._all_uncoded).
 
 Why not chain the collectives with `.then()` as DDP's own hooks do: a callback runs when its collective
 completes, and buckets complete in a different order on different ranks, so the collectives a callback issues
@@ -43,6 +45,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Optional
 
@@ -76,7 +79,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_group", "_kinds", "_held", "_own", "__weakref__")
+                 "_group", "_kinds", "_held", "_own", "_native", "_calls", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -108,6 +111,8 @@ class TernGradState:
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
         self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
         self._own = _OwnAverages()  # the buckets it averages itself (_average_now)
+        self._native: Optional[_Native] = None  # the hook's C++ path, where register() put it there
+        self._calls = 0  # this step's buckets so far (whether every one was averaged here: _Native.consider)
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -136,6 +141,31 @@ class TernGradState:
 
     def load_state_dict(self, state: dict) -> None:
         self.connect().load_state_dict(state)
+        if self._native is not None:  # residuals to merge, maybe: terngrad_hook takes the next step
+            self._native.control.disable()
+
+    def register(self, module: torch.nn.parallel.DistributedDataParallel) -> None:
+        """module.register_comm_hook(self, terngrad_hook), with the hook's C++ path in front where the library
+        has it built for this torch (hvd_terngrad._ddp_hook, csrc/ddp_hook.cpp; else a warning, and the hook
+        runs in Python). Once transport="auto" has settled on fp32 for every bucket, on the CPU, the C++ path
+        averages each bucket as _OwnAverages.start does, to the same bits and with the same errors, and
+        terngrad_hook is no longer called: on a fast link, a hook in Python costs the step 5-6% against DDP's
+        own C++ allreduce (measured: docs/time-to-accuracy.md, "The DDP hook in C++"). Until then, and for
+        anything else, every bucket goes to terngrad_hook."""
+        native = _native_module()
+        if native is None:
+            module.register_comm_hook(self, terngrad_hook)
+            return
+        module._check_comm_hook(terngrad_hook)
+        module.logger._set_comm_hook_name("hvd_terngrad.ddp.terngrad_hook (C++ path)")
+        bridge = _Native(self)
+        bridge.control = native.register(module.reducer, bridge, self, terngrad_hook)
+        self._native = bridge
+
+    @property
+    def native(self) -> bool:
+        """Whether the hook's C++ path averages the buckets now (register)."""
+        return self._native is not None and self._native.control.on
 
     # ------------------------------------------------------------------------------------------
     def _split(self, bucket: dist.GradBucket):
@@ -334,20 +364,12 @@ class _OwnAverages:
                 fut.value()
             except RuntimeError as exc:
                 named = named or state()._named(bucket)
-                raise CollectiveTimeoutError(
-                    f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} "
-                    f"more) failed on rank {me} at step {step} (a rank that never joined fails it after "
-                    f"timeout_s): {exc}") from None
+                raise _failed_average(index, named, me, step, exc) from None
             if not _finite_average(markers, buf):
                 named = named or state()._named(bucket)
-                bad = nonfinite([grad for _, grad in named])
-                if not propagate:
-                    first = bad[0]  # whose marker it carries; one too small to carry any, where it was ours
-                    culprit = marked_rank(named[first][1], size)
-                    held.append((index, nonfinite_average(named[first][0], me if culprit < 0 and first in mine
-                                                          else culprit, step, me, limit * size)))
-                for i in bad:  # NaN throughout, as the coded path hands them to AMP's GradScaler
-                    named[i][1].fill_(float("nan"))
+                error = _nonfinite_averaged(named, mine, me, size, step, None if propagate else limit)
+                if error is not None:
+                    held.append((index, error))
             return buf
 
         if not last:  # the step's last bucket waits for this callback, not for the allreduce alone (after)
@@ -420,6 +442,129 @@ def _finite_average(markers: _Markers, buf: torch.Tensor) -> bool:
     return not nonfinite([buf if markers.where is None else buf.index_select(0, markers.where)])
 
 
+class _Native:
+    """The hook's C++ path (csrc/ddp_hook.cpp, TernGradState.register): when it takes the buckets (consider),
+    and what it asks of Python: a bucket's layout once, a rank's markers and a non-finite average's error where a
+    value is out of range, and the step's end once a step. It averages as _OwnAverages.start does, whose
+    docstring says why each piece is there. It holds its state weakly, as start()'s callbacks do."""
+
+    __slots__ = ("owner", "control", "named", "mine", "held")
+
+    def __init__(self, owner: TernGradState):
+        self.owner = weakref.ref(owner)
+        self.control = None  # hvd_terngrad._ddp_hook.Control: on, or off (every bucket to terngrad_hook)
+        self.named: dict = {}  # bucket index -> (its gradients as TernGradState._named, its bytes)
+        self.mine: dict = {}  # bucket index -> the tensors this rank marked there this step (finite.mark)
+        self.held: list = []  # this step's non-finite averages, (bucket index, error), raised by the last bucket
+
+    def consider(self, bucket: dist.GradBucket, step: int) -> None:
+        """At the last bucket of a step whose every bucket terngrad_hook averaged itself (_average_now): the C++
+        path takes the next steps, from step `step` on, where auto has decided (the plan no longer changes), no
+        residual of a coded step is left to merge, and the bucket is on the CPU, whose codec has tg_scale."""
+        owner = self.owner()
+        pipe, buf = owner.pipeline, bucket.buffer()
+        backend = pipe.coder.codec.impl(buf)
+        if not (pipe.auto.decided and not pipe.coder.feedback.worker and buf.device.type == "cpu"
+                and hasattr(backend, "scale_kernel")):
+            return
+        size = owner.world.size
+        self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), step)
+
+    def layout(self, bucket: dist.GradBucket) -> tuple:
+        """A bucket's new layout: (the positions where its average can carry a marker, or None to read it all;
+        tg_scale's threads for its buffer)."""
+        owner = self.owner()
+        buf, size = bucket.buffer(), owner.world.size
+        offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
+        where = marker_positions(offsets, size)
+        self.named[bucket.index()] = (owner._named(bucket), buf.numel() * buf.element_size())
+        return None if where is None else where.tolist(), owner.pipeline.coder.codec.impl(buf).threads_for(buf.numel())
+
+    def mark(self, index: int) -> None:
+        """Before the send: this rank's tensors of bucket `index` beyond _sendable, or not finite, marked."""
+        owner = self.owner()
+        grads = [grad for _, grad in self.named[index][0]]
+        self.mine[index] = mark(grads, owner.world.rank, _sendable(owner.world.size))
+
+    def nonfinite(self, index: int, step: int) -> Optional[str]:
+        """Bucket `index`'s average is not finite: "held" where its error waits for the step's last bucket."""
+        owner = self.owner()
+        limit = None if owner.config.on_nonfinite == "propagate" else _sendable(owner.world.size)
+        error = _nonfinite_averaged(self.named[index][0], self.mine.pop(index, []), owner.world.rank,
+                                    owner.world.size, step, limit)
+        if error is None:
+            return None
+        self.held.append((index, error))
+        return "held"
+
+    def failed(self, index: int, what: str, step: int) -> str:
+        """The message DDP raises where bucket `index`'s allreduce failed."""
+        return _message(_failed_average(index, self.named[index][0], self.owner().world.rank, step, what))
+
+    def step_done(self, buckets: list) -> int:
+        """The step's end, its last allreduce launched: its byte counts, and the pipeline's next step."""
+        owner = self.owner()
+        pipe, size = owner.pipeline, owner.world.size
+        for index in buckets:
+            named, nbytes = self.named[index]
+            pipe.stats.add_float(nbytes, size, tensors=len(named))
+        pipe.next_step()
+        return pipe.step
+
+    def raise_held(self) -> Optional[str]:
+        """The message DDP raises for the step's first non-finite average, as _OwnAverages.after raises it."""
+        held, self.held = self.held, []
+        return _message(min(held, key=lambda h: h[0])[1]) if held else None
+
+
+def _message(error: BaseException) -> str:
+    """An error as DDP raises one from a hook's callback: its type's name and its message."""
+    return f"{type(error).__name__}: {error}"
+
+
+def _native_module():
+    """hvd_terngrad._ddp_hook, or None (a warning, once) where it is not built or not built for this torch."""
+    global _NATIVE
+    if _NATIVE is None:
+        try:
+            from hvd_terngrad import _ddp_hook
+            _NATIVE = _ddp_hook
+        except ImportError as exc:
+            _NATIVE = False
+            warnings.warn(f"hvd_terngrad: the DDP hook's C++ path is not available ({exc}); the hook runs in Python, "
+                          "which costs a step on a fast link 5-6% (rebuild against this torch: scripts/install.sh, "
+                          "or pip install --no-build-isolation .)", stacklevel=3)
+    return _NATIVE or None
+
+
+_NATIVE = None  # hvd_terngrad._ddp_hook once loaded; False where it cannot be
+
+
+def _failed_average(index: int, named: list, me: int, step: int, exc) -> CollectiveTimeoutError:
+    """The error of a bucket's fp32 average whose allreduce failed (named: its gradients, as TernGradState._named)."""
+    return CollectiveTimeoutError(
+        f"hvd_terngrad: the fp32 average of DDP bucket {index} ({named[0][0]!r} and {len(named) - 1} more) failed "
+        f"on rank {me} at step {step} (a rank that never joined fails it after timeout_s): {exc}")
+
+
+def _nonfinite_averaged(named: list, mine: list, me: int, size: int, step: int, limit: Optional[float]
+                        ) -> Optional[NonFiniteGradientError]:
+    """A bucket's non-finite average, read in full: its non-finite tensors made NaN throughout, as the coded path
+    hands them to AMP's GradScaler, and the error every rank raises for the first (None where limit is None:
+    on_nonfinite="propagate"). named: its gradients, as TernGradState._named; mine: the indices of those this
+    rank marked (finite.mark), one too small to carry any marker being ours."""
+    bad = nonfinite([grad for _, grad in named])
+    error = None
+    if limit is not None:
+        first = bad[0]  # whose marker it carries
+        culprit = marked_rank(named[first][1], size)
+        error = nonfinite_average(named[first][0], me if culprit < 0 and first in mine else culprit, step, me,
+                                  limit * size)
+    for i in bad:
+        named[i][1].fill_(float("nan"))
+    return error
+
+
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -471,11 +616,19 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
     state.connect()
     wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
+    calls = state._calls + 1  # this step's buckets so far, this one included
+    state._calls = 0 if bucket.is_last() else calls
     if state._averages_now(bucket, wire):
         state._send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
-        if bucket.is_last():
-            state._order.end_step()
-        return state._average_now(bucket)
+        if not bucket.is_last():
+            return state._average_now(bucket)
+        state._order.end_step()
+        everyone = len(state._own.sums) + 1 == calls  # every bucket of the step came this way
+        step = state.pipeline.step  # the step's end may run inside _average_now, where the sums are all in
+        fut = state._average_now(bucket)
+        if everyone and state._native is not None:  # the next steps may go to the C++ path
+            state._native.consider(bucket, step + 1)
+        return fut
     job = _Job(bucket, *state._split(bucket))
     launched = wire == "fp16"
     if launched:  # one average of the bucket, launched here (_all_uncoded)

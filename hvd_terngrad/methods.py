@@ -143,10 +143,10 @@ def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: fl
                                            start_powerSGD_iter=powersgd_start, random_seed=seed)
         module.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, psgd), in_launch_order)
     elif method.compression == "terngrad":
-        from hvd_terngrad.ddp import TernGradState, terngrad_hook
+        from hvd_terngrad.ddp import TernGradState
 
         state = TernGradState(model.named_parameters(), seed=seed, exclude=exclude, **method.terngrad_options())
-        module.register_comm_hook(state, terngrad_hook)
+        state.register(module)
     return module, torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum), state
 
 

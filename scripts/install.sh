@@ -176,7 +176,8 @@ do_pytools() {
 src_stamp() { cat "$ROOT"/setup.py "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1; }
 check_package() {
   [ "$(cat "$ROOT/build/.csrc-stamp" 2>/dev/null)" = "$(src_stamp)" ] &&
-  "$PY" -c 'import hvd_terngrad.codec.cpu as c; assert c.available(), c.load_error()'
+  "$PY" -c 'import hvd_terngrad.codec.cpu as c; assert c.available(), c.load_error()' &&
+  "$PY" -c 'import torch, hvd_terngrad._ddp_hook'  # the DDP hook's C++ path, built for this torch
 }
 do_package() {
   (cd "$ROOT" && "$PY" -m pip install --no-build-isolation --no-deps -e . && "$PY" setup.py build_ext --inplace)

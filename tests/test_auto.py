@@ -255,8 +255,9 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
 def body_hook_fp32_is_ddps_own(port):
     """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
     averages itself, beside DDP's own C++ allreduce on the same parameters and batches: per step, whether the
-    hook averaged it uncoded, and whether every gradient is the same bits as DDP's own."""
-    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    hook averaged it uncoded, whether every gradient is the same bits as DDP's own, and whether the hook's C++
+    path averaged it (TernGradState.register)."""
+    from hvd_terngrad.ddp import TernGradState
     from tests.test_ddp import _close_gloo, _init_gloo
 
     auto.TRIAL_PAIRS = 0
@@ -266,16 +267,17 @@ def body_hook_fp32_is_ddps_own(port):
     hooked = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.01)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
-    hooked.register_comm_hook(state, terngrad_hook)
+    state.register(hooked)
     out = []
-    for step in range(PLAN_STEP + 3):
+    for step in range(PLAN_STEP + 4):
+        native = state.native
         ref.load_state_dict(model.state_dict())
         for net in (hooked, own):
             net.zero_grad()
             G.loss(net, rank, step).backward()
         last = state.pipeline.stats.last
         out.append((last.tensors_coded == 0 and last.tensors_float > 0,
-                    all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))))
+                    all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), native))
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(0.1 * p.grad)
@@ -287,10 +289,12 @@ def body_hook_fp32_is_ddps_own(port):
 @pytest.mark.mpi
 def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
     """Three ranks, where x * (1/3) and x / 3 differ: the hook scales each bucket before the sum as DDP's reducer
-    does."""
+    does, in Python on the plan's first step and in C++ from the next (its byte counts too: uncoded)."""
+    _needs_cpp_hook()
     for out in run_ranks("tests.test_auto:body_hook_fp32_is_ddps_own", np=3, timeout=120, args=(29687,)):
-        assert [uncoded for uncoded, _ in out] == [False] * PLAN_STEP + [True] * 3  # coded until the plan
-        assert [same for _, same in out] == [False] * PLAN_STEP + [True] * 3
+        assert [uncoded for uncoded, _, _ in out] == [False] * PLAN_STEP + [True] * 4  # coded until the plan
+        assert [same for _, same, _ in out] == [False] * PLAN_STEP + [True] * 4
+        assert [native for _, _, native in out] == [False] * (PLAN_STEP + 1) + [True] * 3
 
 
 class _WithBf16Scale(torch.nn.Module):
@@ -306,7 +310,7 @@ class _WithBf16Scale(torch.nn.Module):
         return self.net(x) * self.scale.float()
 
 
-def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
+def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=False):
     """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
     averages itself; two steps after the plan, rank 1 has a NaN gradient ("nan", where it starts the step's
     later buckets late_s late) or stops before its backward ("stuck"). layout: several fp32 buckets, one, or
@@ -314,7 +318,8 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     averages), or "bf16_last_slow": that, with the fp32 average's callback slow (0.3 s) and the bfloat16
     bucket's hook late (0.1 s), so that the later hook meets a completed allreduce whose callback is still
     running. What each rank's backward raised, and at which step; the training then tears its process group
-    down at once, as a user's loop would."""
+    down at once, as a user's loop would. native: registered with TernGradState.register, whose C++ path then
+    averages the buckets from the step after the plan's first (checked)."""
     import time
 
     import hvd_terngrad.ddp
@@ -339,8 +344,13 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     if layout == "huge" and rank == 1:  # one finite value in one tensor, within a factor 2 of fp32's largest
         model.body[4].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([7]), 3e38)
                                            if at[0] == PLAN_STEP + 1 else g)
-    ddp.register_comm_hook(state, hvd_terngrad.ddp.terngrad_hook)  # as _slow_average_callbacks left it
-    if late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
+    if native:
+        state.register(ddp)
+    else:
+        ddp.register_comm_hook(state, hvd_terngrad.ddp.terngrad_hook)  # as _slow_average_callbacks left it
+    if late_s and rank == 1 and native:  # the last bucket's gradient comes late_s late on rank 1
+        model.body[0].weight.register_hook(lambda g: time.sleep(late_s) or g if at[0] == PLAN_STEP + 1 else g)
+    elif late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
         average_now = TernGradState._average_now
 
         def late(self, bucket):
@@ -352,6 +362,8 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets"):
     out = None if fault != "propagate" else []
     for step in range(PLAN_STEP + 3):
         at[0] = step
+        if step > PLAN_STEP and state.native != native:
+            raise AssertionError(f"the C++ path is {'off' if native else 'on'} at step {step}")
         loss = G.loss(ddp, rank, step)
         if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
             time.sleep(60)
@@ -397,17 +409,23 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,late_s,layout", [(29693, 0.0, "buckets"), (29699, 2.0, "buckets"),
-                                                (29701, 0.0, "one_bucket"), (29703, 0.0, "bf16_last"),
-                                                (29709, 0.0, "bf16_last_slow")],
-                         ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback"])
-def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout):
+@pytest.mark.parametrize("port,late_s,layout,native", [
+    (29693, 0.0, "buckets", False), (29699, 2.0, "buckets", False), (29701, 0.0, "one_bucket", False),
+    (29703, 0.0, "bf16_last", False), (29709, 0.0, "bf16_last_slow", False),
+    (29771, 0.0, "buckets", True), (29773, 2.0, "buckets", True), (29775, 0.0, "one_bucket", True)],
+    ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback", "together_cpp",
+         "late_rank_cpp", "one_bucket_cpp"])
+def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout,
+                                                                                            native):
     """The error leaves with the step's last bucket, whichever way that went. late_rank: raised from the first,
     it let rank 0 tear its group down under rank 1's later allreduces, and rank 1 aborted ("Resource deadlock
     avoided", 6 runs of 10). bf16_last_slow_callback: the last bucket waited for the earlier allreduce, not for
-    its callback, and the NaN step went on unraised (every run; once in a loaded test run without the delays)."""
+    its callback, and the NaN step went on unraised (every run; once in a loaded test run without the delays).
+    _cpp: the hook's C++ path (TernGradState.register) averages the NaN step."""
+    if native:
+        _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(port, "nan", late_s, layout))
+                        args=(port, "nan", late_s, layout, native))
     assert None not in results, f"a rank trained through the NaN step without raising: {results}"
     for step, message in results:
         assert step == PLAN_STEP + 1
@@ -417,12 +435,16 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
 
 
 @pytest.mark.mpi
-def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank():
+@pytest.mark.parametrize("port,native", [(29685, False), (29777, True)], ids=["python", "cpp"])
+def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank(port, native):
     """The hook's own fp32 average reads only where a marker can be, which holds because no rank sends a value
     whose sum could overflow: one beyond half of fp32's largest is marked as an overflow, and raised on every
-    rank with its tensor and rank, though the rest of the average would have been finite."""
+    rank with its tensor and rank, though the rest of the average would have been finite. cpp: the hook's C++
+    path (TernGradState.register)."""
+    if native:
+        _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(29685, "nan", 0.0, "huge"))
+                        args=(port, "nan", 0.0, "huge", native))
     for step, message in results:
         assert step == PLAN_STEP + 1
         assert "gradient in 'body.4.weight' on rank 1 at step" in message and "beyond ±1.7e+38" in message, message
@@ -442,15 +464,29 @@ def test_a_nan_in_the_hooks_fp16_averages_names_the_tensor_and_the_rank_on_every
 
 
 @pytest.mark.mpi
-def test_the_hooks_own_uncoded_average_hands_amp_nan_averages_with_propagate():
-    for steps in run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120, args=(29697, "propagate")):
+@pytest.mark.parametrize("port,native", [(29697, False), (29779, True)], ids=["python", "cpp"])
+def test_the_hooks_own_uncoded_average_hands_amp_nan_averages_with_propagate(port, native):
+    if native:
+        _needs_cpp_hook()
+    for steps in run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
+                           args=(port, "propagate", 0.0, "buckets", native)):
         assert steps == [(False, True)] * (PLAN_STEP + 1) + [(True, False), (False, True)]
 
 
 @pytest.mark.mpi
-def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_joins():
-    msg = run_ranks_failing("tests.test_auto:body_ddp_uncoded_faults", np=2, within=45, args=(29695, "stuck"))
+@pytest.mark.parametrize("port,native", [(29695, False), (29781, True)], ids=["python", "cpp"])
+def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_joins(port, native):
+    if native:
+        _needs_cpp_hook()
+    msg = run_ranks_failing("tests.test_auto:body_ddp_uncoded_faults", np=2, within=45,
+                            args=(port, "stuck", 0.0, "buckets", native))
     assert "CollectiveTimeoutError" in msg and "failed on rank 0 at step" in msg, msg[-3000:]
+
+
+def _needs_cpp_hook():
+    """The hook's C++ path is built wherever torch is there at build time (setup.py), as it is for these tests:
+    missing, it is a failure, not a skip."""
+    from hvd_terngrad import _ddp_hook  # noqa: F401
 
 
 def test_a_group_in_one_buffer_is_averaged_in_place_and_a_nan_there_still_names_its_rank(untried):

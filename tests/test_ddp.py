@@ -143,7 +143,8 @@ def _link_distributions(roots, site, into) -> None:
 @pytest.mark.slow
 def test_pip_install_and_a_torchrun_training_in_a_fresh_venv_without_horovod(tmp_path):
     """`pip install .` into a new venv that has torch and no Horovod (nor MPI's Python), then
-    `import hvd_terngrad.ddp` and a 2-rank torchrun training of the installed package, from outside the tree."""
+    `import hvd_terngrad.ddp` (and the hook's C++ path, built against that torch) and a 2-rank torchrun training
+    of the installed package, from outside the tree."""
     import shutil
     import subprocess
     import sys
@@ -172,8 +173,8 @@ def test_pip_install_and_a_torchrun_training_in_a_fresh_venv_without_horovod(tmp
     assert inst.returncode == 0, inst.stdout[-2000:] + inst.stderr[-3000:]
     run_dir = tmp_path / "run"
     shutil.copytree(root / "examples", run_dir / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    check = subprocess.run([str(py), "-c", "import importlib.util as u, hvd_terngrad, hvd_terngrad.ddp; "
-                            "print(u.find_spec('horovod') is None, hvd_terngrad.__file__)"],
+    check = subprocess.run([str(py), "-c", "import importlib.util as u, hvd_terngrad, hvd_terngrad.ddp, "
+                            "hvd_terngrad._ddp_hook; print(u.find_spec('horovod') is None, hvd_terngrad.__file__)"],
                            cwd=run_dir, env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr[-3000:]
     absent, where = check.stdout.split()

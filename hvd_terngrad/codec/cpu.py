@@ -331,6 +331,15 @@ class CpuBackend:
     def scale(self, x, factor):
         return scale(x, factor, self.nthreads)
 
+    def scale_kernel(self) -> int:
+        """tg_scale's address, for a caller in C++ (the DDP hook's C++ path, csrc/ddp_hook.cpp): the same pass as
+        scale(), with no call through ctypes."""
+        return ctypes.cast(_lib_or_raise().tg_scale, ctypes.c_void_p).value
+
+    def threads_for(self, n: int) -> int:
+        """The threads scale() gives a tensor of n elements."""
+        return self.nthreads or _threads_for(n)
+
     def to_half(self, x, scale, out):
         if x.dtype != torch.float32:  # the kernel reads fp32 gradients, by far the usual ones
             return reference.to_half(x, scale, out)
