@@ -192,6 +192,8 @@ def main(argv=None) -> int:
         auto = getattr(getattr(tg, "pipeline", None), "auto", None)
         if auto is not None:
             line += f"; auto {auto.summary()}"
+        if getattr(tg, "native", False):
+            line += "; the DDP hook's C++ path"
         if hvd.rank() == 0:
             print(line, flush=True)
         del net, opt, tg

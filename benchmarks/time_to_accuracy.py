@@ -93,7 +93,8 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
     auto = tg.pipeline.auto if tg is not None and m.transport == "auto" else None
     return {"method": method, "seed": seed, "steps": total, "seconds": clock, "final": curve[-1][2],
             "curve": curve, "powersgd_start": powersgd_start(total) if m.compression == "powersgd" else None,
-            "auto": None if auto is None else auto.summary()}  # transport="auto": what it tried and kept
+            "auto": None if auto is None else auto.summary(),  # transport="auto": what it tried and kept
+            "cpp_hook": getattr(tg, "native", None)}  # the DDP hook: whether its C++ path averaged at the end
 
 
 def worker(args) -> int:

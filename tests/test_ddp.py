@@ -291,9 +291,10 @@ def test_the_hook_beside_ddps_own_collectives_find_unused_parameters_and_static_
 
 def body_ddp_join(port, transport):
     """Uneven inputs under DDP's join(): rank 1 runs out of batches after 4 steps of 7, and DDP runs the hook
-    on zero buckets for it while rank 0 goes on. The parameters and the pipeline's step on each rank."""
+    on zero buckets for it while rank 0 goes on. The parameters, the pipeline's step and whether the hook's
+    C++ path averaged the last step, on each rank."""
     import hvd_terngrad
-    from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from hvd_terngrad.ddp import TernGradState
 
     hvd_terngrad.auto.TRIAL_PAIRS = 0
     rank = _init_gloo(port)
@@ -301,14 +302,14 @@ def body_ddp_join(port, transport):
     model = G.Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport=transport, link_gbps=1000.0)
-    ddp.register_comm_hook(state, terngrad_hook)
+    state.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with ddp.join():
         for step in range(7 if rank == 0 else 4):
             opt.zero_grad()
             G.loss(ddp, rank, step).backward()
             opt.step()
-    out = (G.digest(model.parameters()), state.pipeline.step)
+    out = (G.digest(model.parameters()), state.pipeline.step, state.native)
     del ddp, state
     _close_gloo()
     return out
@@ -317,10 +318,12 @@ def body_ddp_join(port, transport):
 @pytest.mark.parametrize("transport", ["allgather", "auto"])
 def test_the_hook_under_ddps_join_with_uneven_inputs(transport):
     """auto: its plan (every bucket uncoded on so fast a link) takes over after the plan step, while rank 1
-    is joined. Both ranks end on the same parameters and count the same 7 steps."""
+    is joined, and its C++ path from the next step (DDP runs it on new zero buckets for the joined rank).
+    Both ranks end on the same parameters and count the same 7 steps."""
     res = run_ranks("tests.test_ddp:body_ddp_join", np=2, timeout=120, args=(29741 + (transport == "auto"),
                                                                            transport))
     assert res[0] == res[1] and res[0][1] == 7
+    assert res[0][2] == (transport == "auto")
 
 
 def body_powersgd(port):
@@ -486,3 +489,29 @@ def test_the_hook_refuses_what_ddp_cannot_do_with_a_reason():
         TernGradState(model.named_parameters(), on_nonfinite="skip")
     with pytest.raises(ValueError, match="bucket_bytes must be an integer >= 0"):
         TernGradState(model.named_parameters(), bucket_bytes=-1)
+
+
+def test_without_its_cpp_path_register_warns_once_and_registers_the_python_hook(monkeypatch):
+    """Where hvd_terngrad._ddp_hook is not built (pip's isolated build has no torch) or not for this torch,
+    TernGradState.register says so and registers terngrad_hook itself."""
+    import sys
+    import warnings
+
+    import hvd_terngrad
+    import hvd_terngrad.ddp as ddp
+
+    monkeypatch.setattr(ddp, "_NATIVE", None)
+    monkeypatch.delattr(hvd_terngrad, "_ddp_hook", raising=False)
+    monkeypatch.setitem(sys.modules, "hvd_terngrad._ddp_hook", None)  # import fails
+
+    class Module:  # what register asks of a DDP model on this path
+        def register_comm_hook(self, state, hook):
+            registered.append((state, hook))
+
+    registered, state = [], ddp.TernGradState(torch.nn.Linear(2, 2).named_parameters())
+    with pytest.warns(UserWarning, match=r"the DDP hook's C\+\+ path is not available"):
+        state.register(Module())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        state.register(Module())
+    assert registered == [(state, ddp.terngrad_hook)] * 2 and not state.native
