@@ -75,17 +75,26 @@ struct Control {
   double limit = 0.0;                           // the largest |value| a rank sends (ddp._sendable)
   ScaleFn scale = nullptr;                      // the codec's tg_scale
   int64_t step = 0;                             // the pipeline's step, which Python's step_done advances
-  py::object native;                            // ddp._Native: the calls into Python
+  py::object native;                            // a weakref to ddp._Native, the calls into Python (it holds this)
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts;  // bucket index -> its layout
   std::vector<FuturePtr> checks;                // this step's earlier buckets' checked averages
   std::vector<int64_t> buckets;                 // this step's bucket indices (their byte counts: step_done)
   std::atomic<bool> held{false};                // a check of this step found a non-finite average to raise
 
   ~Control() {
-    py::gil_scoped_acquire gil;  // the last reference to `native` may go on any thread
+    py::gil_scoped_acquire gil;
     native = py::object();
   }
 };
+
+// The callbacks hold the Control weakly: gloo's thread lets go of a callback after it ran, maybe after the training
+// has torn its process groups down, and the last reference to the hook's group must not go there (a process group
+// destroyed on its own thread aborts the process; ddp.py). While a callback runs, DDP waits and holds the hook.
+std::shared_ptr<Control> alive(const std::weak_ptr<Control>& weak) {
+  std::shared_ptr<Control> c = weak.lock();
+  TORCH_CHECK(c, "hvd_terngrad: a DDP bucket's average completed after its hook was gone");
+  return c;
+}
 
 // A Python exception met in a call from here, as the message DDP raises (it would raise a callback's so).
 std::string python_error(py::error_already_set& e) {
@@ -113,9 +122,10 @@ class Hook final : public c10d::CommHookInterface {
     if (!(top <= c.limit)) call("mark", index);  // NaN included: the tensors beyond the limit carry this rank's marker
     std::vector<at::Tensor> tensors{buf};
     FuturePtr sum = c.group->allreduce(tensors)->getFuture();
-    std::shared_ptr<Control> ctl = control_;
+    std::weak_ptr<Control> weak = control_;
     FuturePtr checked = sum->then(
-        [ctl, buf, layout, index, step](Future& f) -> c10::IValue {
+        [weak, buf, layout, index, step](Future& f) -> c10::IValue {
+          std::shared_ptr<Control> ctl = alive(weak);
           if (f.hasError()) {
             std::string what;
             try {
@@ -139,7 +149,7 @@ class Hook final : public c10d::CommHookInterface {
     std::vector<int64_t> buckets;
     buckets.swap(c.buckets);
     c.step = std::stoll(call("step_done", buckets));
-    if (c.checks.empty()) return last(ctl, checked);
+    if (c.checks.empty()) return last(weak, checked);
     std::vector<FuturePtr> all;
     all.swap(c.checks);
     all.push_back(checked);
@@ -148,9 +158,9 @@ class Hook final : public c10d::CommHookInterface {
     // The last bucket completes once every check of the step has run: a non-finite average leaves with it
     // (the step's earlier buckets' errors would let DDP end the step while allreduces are in flight, ddp.py)
     return c10::collectAll(list)->then(
-        [ctl, checked](Future& f) -> c10::IValue {
+        [weak, checked](Future& f) -> c10::IValue {
           if (f.hasError()) std::rethrow_exception(f.exception_ptr());  // a failed allreduce, at once
-          return finish(*ctl, checked);
+          return finish(*alive(weak), checked);
         },
         c10::TensorType::get());
   }
@@ -161,8 +171,8 @@ class Hook final : public c10d::CommHookInterface {
 
  private:
   // The step's last bucket alone: its check, then any error held.
-  static FuturePtr last(const std::shared_ptr<Control>& ctl, const FuturePtr& checked) {
-    return checked->then([ctl, checked](Future&) -> c10::IValue { return finish(*ctl, checked); },
+  static FuturePtr last(const std::weak_ptr<Control>& weak, const FuturePtr& checked) {
+    return checked->then([weak, checked](Future&) -> c10::IValue { return finish(*alive(weak), checked); },
                          c10::TensorType::get());
   }
 
@@ -188,7 +198,9 @@ class Hook final : public c10d::CommHookInterface {
       py::gil_scoped_acquire gil;
       py::tuple got;
       try {
-        got = c.native.attr("layout")(bucket).cast<py::tuple>();
+        py::object native = c.native();
+        TORCH_CHECK(!native.is_none(), "hvd_terngrad: the DDP hook's state is gone");
+        got = native.attr("layout")(bucket).cast<py::tuple>();
       } catch (py::error_already_set& e) {
         throw std::runtime_error(python_error(e));
       }
@@ -216,7 +228,9 @@ class Hook final : public c10d::CommHookInterface {
   static std::string call_on(Control& c, const char* name, Args&&... args) {
     py::gil_scoped_acquire gil;
     try {
-      py::object out = c.native.attr(name)(std::forward<Args>(args)...);
+      py::object native = c.native();
+      TORCH_CHECK(!native.is_none(), "hvd_terngrad: the DDP hook's state is gone");
+      py::object out = native.attr(name)(std::forward<Args>(args)...);
       return out.is_none() ? std::string() : std::string(py::str(out));
     } catch (py::error_already_set& e) {
       throw std::runtime_error(python_error(e));
@@ -254,5 +268,6 @@ PYBIND11_MODULE(_ddp_hook, m) {
            "From the next bucket on, every bucket is averaged here (call between steps).")
       .def("disable", [](Control& c) { c.on.store(false); }, "From the next bucket on, terngrad_hook averages.")
       .def_property_readonly("on", [](const Control& c) { return c.on.load(); });
-  m.def("register", &register_hook, "The hook on a DDP model's reducer; returns its Control (off).");
+  m.def("register", &register_hook,
+        "The hook on a DDP model's reducer (native: a weakref to ddp._Native); returns its Control, off.");
 }

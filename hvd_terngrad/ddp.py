@@ -158,9 +158,8 @@ class TernGradState:
             return
         module._check_comm_hook(terngrad_hook)
         module.logger._set_comm_hook_name("hvd_terngrad.ddp.terngrad_hook (C++ path)")
-        bridge = _Native(self)
-        bridge.control = native.register(module.reducer, bridge, self, terngrad_hook)
-        self._native = bridge
+        self._native = bridge = _Native(self)  # held here; the hook holds it weakly, as it holds this state
+        bridge.control = native.register(module.reducer, weakref.ref(bridge), self, terngrad_hook)
 
     @property
     def native(self) -> bool:
@@ -448,7 +447,7 @@ class _Native:
     value is out of range, and the step's end once a step. It averages as _OwnAverages.start does, whose
     docstring says why each piece is there. It holds its state weakly, as start()'s callbacks do."""
 
-    __slots__ = ("owner", "control", "named", "mine", "held")
+    __slots__ = ("owner", "control", "named", "mine", "held", "__weakref__")
 
     def __init__(self, owner: TernGradState):
         self.owner = weakref.ref(owner)
@@ -478,6 +477,8 @@ class _Native:
         offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
         where = marker_positions(offsets, size)
         self.named[bucket.index()] = (owner._named(bucket), buf.numel() * buf.element_size())
+        if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
+            self.named = {i: v for i, v in self.named.items() if i <= bucket.index()}
         return None if where is None else where.tolist(), owner.pipeline.coder.codec.impl(buf).threads_for(buf.numel())
 
     def mark(self, index: int) -> None:

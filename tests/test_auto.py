@@ -283,7 +283,14 @@ def body_hook_fp32_is_ddps_own(port):
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(0.1 * p.grad)
+    import gc
+    import weakref
+
+    gone = weakref.ref(state), weakref.ref(state._native)
     del hooked, own, state
+    gc.collect()
+    if any(ref() is not None for ref in gone):  # the C++ path holds its Python side weakly: no cycle through C++
+        raise AssertionError("the hook's state, or its C++ path's Python side, outlived its DDP model")
     _close_gloo()
     return out
 
