@@ -276,17 +276,38 @@ def body_ddp_options(port):
             opt.step()
         out[name] = G.digest(model.parameters())
         del ddp, state
+    import hvd_terngrad.auto
+
+    hvd_terngrad.auto.TRIAL_PAIRS = 0
+    for name, options in (("find_unused", {"find_unused_parameters": True}), ("static_graph", {"static_graph": True}),
+                          ("bucket_view", {"find_unused_parameters": True, "gradient_as_bucket_view": True})):
+        # transport="auto" keeping fp32 on so fast a link: the hook's C++ path (register) from the step after
+        model = _WithUnused()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001, **options)
+        state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
+        state.register(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(hvd_terngrad.auto.PLAN_STEP + 3):
+            opt.zero_grad()
+            G.loss(ddp, rank, step).backward()
+            opt.step()
+        out[f"auto_{name}"] = (G.digest(model.parameters()), state.native)
+        del ddp, state
     _close_gloo()
     return out
 
 
 def test_the_hook_beside_ddps_own_collectives_find_unused_parameters_and_static_graph():
     """The hook's collectives go on a group of its own: on DDP's, gloo aborted ("Received data size doesn't
-    match expected size") as DDP's map of used parameters paired with a bucket's exchange."""
+    match expected size") as DDP's map of used parameters paired with a bucket's exchange. auto_: the hook's C++
+    path beside them."""
     res = run_ranks("tests.test_ddp:body_ddp_options", np=2, timeout=120, args=(29731,))
     assert res[0] == res[1]
+    coded = {k: v for k, v in res[0].items() if not k.startswith("auto_")}
+    cpp = [v for k, v in res[0].items() if k.startswith("auto_")]
     # the codes depend on (seed, step, rank, tensor name), not on DDP's options or group: the same bits
-    assert len(set(map(tuple, res[0].values()))) == 1, res[0]
+    assert len(set(map(tuple, coded.values()))) == 1, res[0]
+    assert all(native for _, native in cpp) and len({tuple(d) for d, _ in cpp}) == 1, cpp
 
 
 def body_ddp_join(port, transport):
