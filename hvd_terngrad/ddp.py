@@ -421,9 +421,8 @@ class _Markers:
     __slots__ = ("key", "where", "at", "values", "scale")
 
     def __init__(self, key: tuple, bucket: dist.GradBucket, buf: torch.Tensor, size: int, codec):
-        offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
         self.key = key  # (world size, the buffer's address, its parameters' ids): this holds the buffer (values)
-        self.where = marker_positions(offsets, size)  # None: most of the buffer, read it all
+        self.where = _marker_positions(bucket, buf, size)  # None: most of the buffer, read it all
         cpu = self.where is not None and buf.device.type == "cpu"
         self.at = self.where.tolist() if cpu else None  # the same, as Python ints
         # the buffer's elements as Python floats: on the CPU the check reads them with no torch op on gloo's
@@ -431,6 +430,12 @@ class _Markers:
         # hook's own fp32 averages")
         self.values = memoryview(buf.numpy()) if cpu else None
         self.scale = codec.impl(buf).scale  # the codec's backend for the buffer (Backend.scale)
+
+
+def _marker_positions(bucket: dist.GradBucket, buf: torch.Tensor, size: int) -> Optional[torch.Tensor]:
+    """finite.marker_positions of a bucket's buffer `buf`, for `size` ranks."""
+    return marker_positions([(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()],
+                            size)
 
 
 def _finite_average(markers: _Markers, buf: torch.Tensor) -> bool:
@@ -473,9 +478,8 @@ class _Native:
         """A bucket's new layout: (the positions where its average can carry a marker, or None to read it all;
         tg_scale's threads for its buffer)."""
         owner = self.owner()
-        buf, size = bucket.buffer(), owner.world.size
-        offsets = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
-        where = marker_positions(offsets, size)
+        buf = bucket.buffer()
+        where = _marker_positions(bucket, buf, owner.world.size)
         self.named[bucket.index()] = (owner._named(bucket), buf.numel() * buf.element_size())
         if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
             self.named = {i: v for i, v in self.named.items() if i <= bucket.index()}
