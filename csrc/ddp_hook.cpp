@@ -159,8 +159,13 @@ class Hook final : public c10d::CommHookInterface {
     // (the step's earlier buckets' errors would let DDP end the step while allreduces are in flight, ddp.py)
     return c10::collectAll(list)->then(
         [weak, checked](Future& f) -> c10::IValue {
-          if (f.hasError()) std::rethrow_exception(f.exception_ptr());  // a failed allreduce, at once
-          return finish(*alive(weak), checked);
+          Control& ctl = *alive(weak);
+          if (f.hasError()) {  // a failed allreduce, at once (collectAll has waited for every check of the step)
+            // a non-finite average this step held leaves with the step, not at the next step's end
+            if (ctl.held.exchange(false)) call_on(ctl, "raise_held");
+            std::rethrow_exception(f.exception_ptr());
+          }
+          return finish(ctl, checked);
         },
         c10::TensorType::get());
   }

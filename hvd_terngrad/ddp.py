@@ -503,7 +503,9 @@ class _Native:
         return "held"
 
     def failed(self, index: int, what: str, step: int) -> str:
-        """The message DDP raises where bucket `index`'s allreduce failed."""
+        """The message DDP raises where bucket `index`'s allreduce failed (this rank's markers there, if any,
+        go with the step: a later step's non-finite average must not name them)."""
+        self.mine.pop(index, None)
         return _message(_failed_average(index, self.named[index][0], self.owner().world.rank, step, what))
 
     def step_done(self, buckets: list) -> int:

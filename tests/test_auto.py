@@ -493,6 +493,70 @@ def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_j
     assert "CollectiveTimeoutError" in msg and "failed on rank 0 at step" in msg, msg[-3000:]
 
 
+class _FailingGroup(torch.distributed.ProcessGroup):
+    """A one-rank process group whose allreduce number `fail_at` fails, as gloo's does when a peer has gone."""
+
+    def __init__(self):
+        super().__init__(0, 1)
+        self.calls, self.fail_at = 0, None
+
+    def allreduce(self, tensors, opts=None):
+        self.calls += 1
+        done = torch.futures.Future()
+        done.set_result(tensors)
+        if self.calls == self.fail_at:
+            done = done.then(_peer_gone)
+        return torch._C._distributed_c10d._create_work_from_future(done)
+
+
+def _peer_gone(_):
+    raise RuntimeError("a peer went away")
+
+
+def body_cpp_failed_step(port):
+    """One rank, the hook's C++ path on: at step `bad` bucket 0's average is not finite and the step's last
+    allreduce fails. What each step's backward raised (None where it trained)."""
+    import hvd_terngrad.ddp as ddp_mod
+    from tests.test_ddp import _close_gloo
+
+    auto.TRIAL_PAIRS = 0
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    model = G.Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = ddp_mod.TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
+    state.register(ddp)
+    bad, at, group, out = PLAN_STEP + 2, [0], _FailingGroup(), []
+    model.body[4].weight.register_hook(lambda g: g * float("nan") if at[0] == bad else g)  # in bucket 0
+    for step in range(bad + 3):
+        at[0] = step
+        if step == bad:  # the C++ path's allreduces go to the failing group from here on
+            assert state.native
+            scale = state.pipeline.coder.codec.impl(model.body[4].weight.detach()).scale_kernel()
+            state._native.control.enable(group, 1, scale, ddp_mod._sendable(1), state.pipeline.step)
+            group.fail_at = len(state._native.named)  # the step's last bucket
+        try:
+            ddp.zero_grad()
+            G.loss(ddp, 0, step).backward()
+            out.append(None)
+        except RuntimeError as exc:
+            out.append(str(exc).split("\n")[0])
+    del ddp, state
+    _close_gloo()
+    return out
+
+
+@pytest.mark.mpi
+def test_a_failed_step_on_the_cpp_path_leaves_no_error_for_the_next():
+    """A step whose last allreduce fails raises that failure; the non-finite average held the same step goes
+    with it. It stayed held, and the next step, finite, raised it."""
+    _needs_cpp_hook()
+    [out] = run_ranks("tests.test_auto:body_cpp_failed_step", np=1, timeout=120, args=(29783,))
+    bad = PLAN_STEP + 2
+    assert out[:bad] == [None] * bad and out[bad + 1:] == [None, None], out
+    assert "CollectiveTimeoutError" in out[bad] and f"failed on rank 0 at step {bad}" in out[bad], out[bad]
+
+
 def _needs_cpp_hook():
     """The hook's C++ path is built wherever torch is there at build time (setup.py), as it is for these tests:
     missing, it is a failure, not a skip."""
