@@ -14,7 +14,7 @@ runs twice; `fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,
 side by side in one job, each order both ways. --uncoded fp32|fp16 puts transport="auto"'s plan with every
 group uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside
 Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per
-rank; the median is over all but the first 50. Rank 0 prints a line per method.
+rank; the median is over all but the first --warmup (50). Rank 0 prints a line per method.
 """
 from __future__ import annotations
 
@@ -135,10 +135,13 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="ncf", help="a fidelity-suite task, or `wide` (Wide)")
     ap.add_argument("--methods", default="fp32,float,terngrad:auto")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=50, help="the first steps, left out of every figure")
     ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)
+    if args.steps < args.warmup + 2:  # a median and quantiles need two steps past the warm-up
+        ap.error(f"--steps {args.steps}: at least --warmup + 2 ({args.warmup + 2})")
     methods = args.methods.split(",")
     try:
         check_methods(methods)
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
                 opt.step()
                 times.append(time.perf_counter() - t0)
                 cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
-        steps, cpus = times[50:], cpu[50:]  # past the first steps' warm-up
+        steps, cpus = times[args.warmup:], cpu[args.warmup:]  # past the first steps' warm-up
         q = statistics.quantiles(steps, n=100)
         line = (f"{args.task} {method}: median step {1e3 * statistics.median(steps):.2f} ms, mean "
                 f"{1e3 * statistics.mean(steps):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
                 f"{1e3 * statistics.mean(c[1] for c in cpus):.2f} ms in the process")
         stats = getattr(tg, "stats", None)
         if stats is not None and stats.history:
-            h = stats.history[50:]
+            h = stats.history[-len(steps):]  # the same steps (the history keeps the last 1,000)
             line += "; TernGrad's encode / waits / decode " + " / ".join(
                 f"{1e3 * statistics.mean(getattr(s, k) for s in h):.2f}" for k in
                 ("time_encode", "time_comm", "time_decode")) + " ms"

@@ -23,6 +23,8 @@ def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
             step_probe.check_methods(["fp32", bad])
     with pytest.raises(SystemExit):  # before any collective: argparse's error
         step_probe.main(["--methods", "fp32,fp16+naps"])
+    with pytest.raises(SystemExit):  # no figure without two steps past the warm-up
+        step_probe.main(["--steps", "51"])
 
 
 def test_naps_nap_a_millisecond_from_the_first_poll_for_their_method_only():
