@@ -392,8 +392,7 @@ class _OwnAverages:
         known = self.markers.get(bucket.index())
         if known is None or known.key != key:
             known = self.markers[bucket.index()] = _Markers(key, bucket, buf, size, codec)
-            if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
-                self.markers = {i: m for i, m in self.markers.items() if i <= bucket.index()}
+            _forget_later_buckets(self.markers, bucket)
         return known
 
     def after(self, last: torch.futures.Future, finish) -> torch.futures.Future[torch.Tensor]:
@@ -430,6 +429,14 @@ class _Markers:
         # hook's own fp32 averages")
         self.values = memoryview(buf.numpy()) if cpu else None
         self.scale = codec.impl(buf).scale  # the codec's backend for the buffer (Backend.scale)
+
+
+def _forget_later_buckets(known: dict, bucket: dist.GradBucket) -> None:
+    """A new layout of the step's last bucket: DDP has fewer buckets than before, and what `known` (bucket index
+    -> what was worked out for it) keeps of the later ones no longer holds their old buffers."""
+    if bucket.is_last():
+        for index in [i for i in known if i > bucket.index()]:
+            del known[index]
 
 
 def _marker_positions(bucket: dist.GradBucket, buf: torch.Tensor, size: int) -> Optional[torch.Tensor]:
@@ -481,8 +488,7 @@ class _Native:
         buf = bucket.buffer()
         where = _marker_positions(bucket, buf, owner.world.size)
         self.named[bucket.index()] = (owner._named(bucket), buf.numel() * buf.element_size())
-        if bucket.is_last():  # fewer buckets than before: theirs no longer hold their old buffers
-            self.named = {i: v for i, v in self.named.items() if i <= bucket.index()}
+        _forget_later_buckets(self.named, bucket)
         return None if where is None else where.tolist(), owner.pipeline.coder.codec.impl(buf).threads_for(buf.numel())
 
     def mark(self, index: int) -> None:

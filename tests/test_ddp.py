@@ -536,3 +536,80 @@ def test_without_its_cpp_path_register_warns_once_and_registers_the_python_hook(
         warnings.simplefilter("error")  # once
         state.register(Module())
     assert registered == [(state, ddp.terngrad_hook)] * 2 and not state.native
+
+
+def body_ddp_loop_patterns(port):
+    """DDP's training-loop patterns around the hook, each step: two micro-batches, the first under no_sync(),
+    clip_grad_norm_, then the step, on DDP models in eager mode and under torch.compile (dynamo, aot_eager: its
+    graph split at DDP's buckets). `fp32`: the hook with transport="auto" on so fast a link that it averages in
+    fp32 (its C++ path from the step after the plan), beside DDP's own allreduce from the same parameters
+    (copied over each step): whether every clipped gradient is its bits. `coded`: recommended(), eager and
+    compiled: the parameters' digests, and the pipeline's step (one a synchronised step)."""
+    import hvd_terngrad.auto as auto
+    from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.ddp import TernGradState
+
+    auto.TRIAL_PAIRS = 0
+    rank = _init_gloo(port)
+    torch.set_num_threads(1)
+    steps = auto.PLAN_STEP + 3
+
+    def loop(model, net, ddp, step):
+        with ddp.no_sync():  # accumulated here, averaged with the next micro-batch's
+            G.loss(net, rank, 2 * step).backward()
+        G.loss(net, rank, 2 * step + 1).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+    out = {}
+    for compiled in (False, True):
+        wrap = (lambda m: torch.compile(m, backend="aot_eager")) if compiled else (lambda m: m)
+        cap = 25 if compiled else 0.01  # dynamo's DDP graph split wants no first bucket larger than the rest
+        model, ref = G.Net(), G.Net()
+        hooked = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=cap)
+        state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
+        state.register(hooked)
+        nets = (wrap(hooked), wrap(own))
+        same = []
+        for step in range(steps):
+            ref.load_state_dict(model.state_dict())
+            for m, net, ddp in ((model, nets[0], hooked), (ref, nets[1], own)):
+                m.zero_grad()
+                loop(m, net, ddp, step)
+            same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+        out[("fp32", compiled)] = (same, state.native, state.pipeline.step)
+        del hooked, own, state, nets
+
+        model = G.Net()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        state = TernGradState(model.named_parameters(), config=TernGradConfig.recommended(seed=3, min_numel=256))
+        state.register(ddp)
+        net, opt = wrap(ddp), torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            opt.zero_grad()
+            loop(model, net, ddp, step)
+            opt.step()
+        out[("coded", compiled)] = (G.digest(model.parameters()), state.pipeline.step)
+        del ddp, state, net
+    _close_gloo()
+    return out
+
+
+def test_the_hook_under_ddps_loop_patterns_accumulation_clipping_and_torch_compile():
+    """The hook runs once a synchronised step (no_sync's micro-batches only accumulate), clipping reads the
+    averaged gradients, and torch.compile's DDP graph changes nothing: the hook's fp32 average is DDP's own
+    allreduce to the bit from the plan on, in C++, eager or compiled, and recommended() trains to the same bits
+    compiled as eager (its codes depend on the tensors' names, not on DDP's buckets)."""
+    from hvd_terngrad.auto import PLAN_STEP
+
+    res = run_ranks("tests.test_ddp:body_ddp_loop_patterns", np=2, timeout=120, args=(29785,))
+    assert res[0] == res[1]
+    out = res[0]
+    for compiled in (False, True):
+        same, native, step = out[("fp32", compiled)]
+        assert same == [False] * PLAN_STEP + [True] * 3 and native and step == PLAN_STEP + 3, (compiled, same)
+        assert out[("coded", compiled)][1] == PLAN_STEP + 3
+    assert out[("coded", False)] == out[("coded", True)]
