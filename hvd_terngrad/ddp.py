@@ -78,8 +78,8 @@ class TernGradState:
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
-    __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy", "_order",
-                 "_group", "_kinds", "_held", "_own", "_native", "_calls", "__weakref__")
+    __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy",
+                 "_group", "_kinds", "_exchanges", "_own", "_native", "_calls", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -107,9 +107,8 @@ class TernGradState:
         self.hierarchy: Optional[Hierarchy] = None  # hierarchical=True: the node and cross groups (made as _group)
         if up and self.config.hierarchical:
             self.hierarchy = discover_torch(self.config.timeout_s)
-        self._order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
         self._kinds: dict = {}  # parameter -> (its name, whether it is coded): every bucket of every step asks
-        self._held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
+        self._exchanges = _Exchanges(self)  # the buckets the pipeline exchanges, on a worker thread
         self._own = _OwnAverages()  # the buckets it averages itself (_average_now)
         self._native: Optional[_Native] = None  # the hook's C++ path, where register() put it there
         self._calls = 0  # this step's buckets so far (whether every one was averaged here: _Native.consider)
@@ -207,56 +206,88 @@ class TernGradState:
         """Whether the hook averages this bucket itself (_average_now), wire being _all_uncoded()'s."""
         return wire == "fp32" and self.process_group is None and bucket.buffer().dtype == torch.float32
 
-    def _begin(self, job: "_Job") -> None:
-        """The group into the pipeline: prepared, and its scalers shared and its transport started (a wait), or
-        its uncoded average launched."""
-        more = f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
-        job.group = self.pipeline.start(f"bucket.{job.index}", job.coded, send_when_shared=False, ready=job.ready,
-                                        what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
-        self.pipeline.send(job.group)
-
-    def _end(self, job: "_Job") -> None:
-        """The group's transport finished and its averages written into its gradients (propagate: non-finite
-        ones are NaN)."""
-        self.pipeline.progress(job.group, block=True)  # the second collective of a sharded transport
-        self.pipeline.finish_into(job.group, [v for _, v in job.coded])
-
-    def _raise_nonfinite(self, job: "_Job") -> None:
-        """The group's non-finite averages raised, the same names on every rank, unless on_nonfinite="propagate"
-        hands them to AMP's GradScaler (_end left them NaN)."""
-        if self.config.on_nonfinite != "propagate":
-            self.pipeline.coder.raise_nonfinite(self.pipeline.nonfinite(job.group))
-
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
         return self._own.start(self, bucket)
 
-    def _send_held(self) -> None:
-        """The held buckets to the worker, as one group."""
-        if self._held:
-            jobs, self._held = self._held, []
-            self._order.submit_into(lambda: self._finish(jobs), [j.future for j in jobs], last=jobs[-1].last)
 
-    def _finish(self, jobs: list) -> list:
+
+class _Exchanges:
+    """The buckets the pipeline exchanges (all but those the hook averages itself: _OwnAverages, _Native): held
+    until a group holds bucket_bytes (or the step's last bucket), then exchanged on one worker thread in DDP's
+    launch order (_Serial), so that every rank issues the same collectives in the same order."""
+
+    __slots__ = ("owner", "order", "held")
+
+    def __init__(self, owner: TernGradState):
+        self.owner = owner  # the state: its pipeline, world, hierarchy and config
+        self.order = _Serial("hvd_terngrad-ddp")  # the worker thread that exchanges the buckets
+        self.held: list = []  # this step's buckets waiting for the next ones (_Job, with its future)
+
+    def begin(self, job: "_Job") -> None:
+        """The group into the pipeline: prepared, and its scalers shared and its transport started (a wait), or
+        its uncoded average launched."""
+        pipe, more = self.owner.pipeline, f" and {len(job.coded) - 1} more" if len(job.coded) > 1 else ""
+        job.group = pipe.start(f"bucket.{job.index}", job.coded, send_when_shared=False, ready=job.ready,
+                               what=f"DDP bucket {job.index} ({job.coded[0][0]!r}{more})")
+        pipe.send(job.group)
+
+    def end(self, job: "_Job") -> None:
+        """The group's transport finished and its averages written into its gradients (propagate: non-finite
+        ones are NaN)."""
+        pipe = self.owner.pipeline
+        pipe.progress(job.group, block=True)  # the second collective of a sharded transport
+        pipe.finish_into(job.group, [v for _, v in job.coded])
+
+    def raise_nonfinite(self, job: "_Job") -> None:
+        """The group's non-finite averages raised, the same names on every rank, unless on_nonfinite="propagate"
+        hands them to AMP's GradScaler (end left them NaN)."""
+        pipe = self.owner.pipeline
+        if self.owner.config.on_nonfinite != "propagate":
+            pipe.coder.raise_nonfinite(pipe.nonfinite(job.group))
+
+    def take(self, job: "_Job", launched: bool) -> None:
+        """A bucket for the pipeline: held, and the held group sent once it holds bucket_bytes or ends the step.
+        launched: the plan in force sends every bucket uncoded in fp16 (TernGradState._all_uncoded), and the
+        bucket's one average is launched here, in DDP's launch order."""
+        if launched:
+            job.coded, job.floats = job.coded + job.floats, []
+            try:
+                self.begin(job)
+            except BaseException:
+                self.held = []  # the step ends here on every rank alike (the same tensors, the same options)
+                raise
+        self.held.append(job)
+        if job.last or (not launched and sum(j.buffer.numel() * j.buffer.element_size() for j in self.held)
+                        >= self.owner.bucket_bytes):
+            self.send_held()
+
+    def send_held(self) -> None:
+        """The held buckets to the worker, as one group."""
+        if self.held:
+            jobs, self.held = self.held, []
+            self.order.submit_into(lambda: self.finish(jobs), [j.future for j in jobs], last=jobs[-1].last)
+
+    def finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
         job = jobs[0] if len(jobs) == 1 or jobs[0].group is not None else _Job.merged(jobs)
         try:
             if job.group is not None:  # launched by the hook (_all_uncoded): finished in launch order
                 for j in jobs:
-                    self._end(j)
-                    self._raise_nonfinite(j)
+                    self.end(j)
+                    self.raise_nonfinite(j)
             else:
-                self._exchange(job)
+                self.exchange(job)
         finally:  # every bucket of a step is coded with its number; the step ends with the bucket DDP marks
             # last, which its launch order ends with (DDP may plan its buckets again after the first step, so
             # their number is not fixed); a step that raised has ended too, as on the other front ends
             if jobs[-1].last:
-                self.pipeline.next_step()
+                self.owner.pipeline.next_step()
         return [j.buffer for j in jobs]
 
-    def _exchange(self, job: "_Job") -> None:
+    def exchange(self, job: "_Job") -> None:
         """One group's exchange: its averages written into its gradients (the views of DDP's buffers)."""
-        pipe, comm, h, key = self.pipeline, self.world, self.hierarchy, f"bucket.{job.index}"
+        pipe, comm, h, key = self.owner.pipeline, self.owner.world, self.owner.hierarchy, f"bucket.{job.index}"
         if h is None and job.floats and pipe.uncoded(key):  # one average, in place where it is fp32
             job.coded, job.floats = job.coded + job.floats, []
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
@@ -268,30 +299,30 @@ class TernGradState:
         if node is not None:
             h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
         if job.coded and (h is None or h.codes(job.index)):
-            self._begin(job)
-            self._end(job)
+            self.begin(job)
+            self.end(job)
         # hierarchical with a node of several ranks, or with one node only (its float average was the whole
         # exchange): the node's verdict; otherwise the pipeline's
         if node is not None or (h is not None and h.cross is None and job.coded):
-            self._finish_in_node(job)  # the coder's decoded averages to the rest of its node
+            self.finish_in_node(job)  # the coder's decoded averages to the rest of its node
         elif job.group is not None:
-            self._raise_nonfinite(job)
+            self.raise_nonfinite(job)
         if floats is not None:
             avg, off = comm.wait(floats, f"the float average of DDP bucket {job.index}"), 0
             for _, v in job.floats:
                 v.copy_(avg[off: off + v.numel()].view(v.shape))
                 off += v.numel()
 
-    def _finish_in_node(self, job: "_Job") -> None:
+    def finish_in_node(self, job: "_Job") -> None:
         """hierarchical: the coder's averages broadcast to its node (a rank that found a non-finite average fills
         it with NaN first); the names non-finite anywhere, the same on every rank, raised unless propagated."""
-        pipe = self.pipeline
+        pipe = self.owner.pipeline
         mine = {it.name for it in pipe.nonfinite(job.group)} if job.group is not None else set()
-        bad = self.hierarchy.finish_in_node([(job.index, name, v) for name, v in job.coded], mine)
-        if bad and self.config.on_nonfinite != "propagate":
+        bad = self.owner.hierarchy.finish_in_node([(job.index, name, v) for name, v in job.coded], mine)
+        if bad and self.owner.config.on_nonfinite != "propagate":
             raise NonFiniteGradientError(
                 f"hvd_terngrad: non-finite (NaN/Inf) gradient in {bad[0]!r} at step {pipe.step} (its node's float "
-                f"average or the codes between nodes, seen on rank {self.world.rank}; affected: "
+                f"average or the codes between nodes, seen on rank {self.owner.world.rank}; affected: "
                 f"{', '.join(map(repr, bad[:5]))}). Every rank raises this in the same step; on_nonfinite="
                 f"'propagate' hands AMP's GradScaler a NaN average instead.")
 
@@ -631,11 +662,12 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
     calls = state._calls + 1  # this step's buckets so far, this one included
     state._calls = 0 if bucket.is_last() else calls
+    exchanges = state._exchanges
     if state._averages_now(bucket, wire):
-        state._send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
+        exchanges.send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
         if not bucket.is_last():
             return state._average_now(bucket)
-        state._order.end_step()
+        exchanges.order.end_step()
         everyone = len(state._own.sums) + 1 == calls  # every bucket of the step came this way
         step = state.pipeline.step  # the step's end may run inside _average_now, where the sums are all in
         fut = state._average_now(bucket)
@@ -643,18 +675,7 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
             state._native.consider(bucket, step + 1)
         return fut
     job = _Job(bucket, *state._split(bucket))
-    launched = wire == "fp16"
-    if launched:  # one average of the bucket, launched here (_all_uncoded)
-        job.coded, job.floats = job.coded + job.floats, []
-        try:
-            state._begin(job)
-        except BaseException:
-            state._held = []  # the step ends here on every rank alike (the same tensors, the same options)
-            raise
-    state._held.append(job)
-    if job.last or (not launched and sum(j.buffer.numel() * j.buffer.element_size() for j in state._held)
-                    >= state.bucket_bytes):
-        state._send_held()
+    exchanges.take(job, launched=wire == "fp16")
     if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
         return state._own.after(job.future, _value_or_raise)
     return job.future.then(_value_or_raise)
