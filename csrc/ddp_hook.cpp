@@ -9,10 +9,10 @@
 // allreduce on the hook's own process group, and the check of the average where a rank's marker can be.
 //
 // Everything else stays in Python, in one home: every bucket goes to terngrad_hook until Python turns this path on
-// (Control.enable, between steps: auto has decided on fp32 for every bucket, on the CPU); a bucket's layout, a
-// rank's markers, a non-finite average's error and the step's end (its byte counts and pipeline.next_step) are
-// calls into Python (_Native in ddp.py), the first on a new layout, the next two only where a value is out of
-// range, the last once a step.
+// (Control.enable, between steps: auto's plan for the next step is fp32 for every bucket, on the CPU, in its trial
+// or decided); a bucket's layout, a rank's markers, a non-finite average's error and the step's end (its byte
+// counts and pipeline.next_step) are calls into Python (_Native in ddp.py), the first on a new layout, the next
+// two only where a value is out of range, the last once a step.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
@@ -80,6 +80,8 @@ struct Control {
   std::vector<FuturePtr> checks;                // this step's earlier buckets' checked averages
   std::vector<int64_t> buckets;                 // this step's bucket indices (their byte counts: step_done)
   std::atomic<bool> held{false};                // a check of this step found a non-finite average to raise
+  bool at_end = false;  // the step's end in Python once it has completed (auto's trial times every kind so), not
+                        // while its last allreduce travels (set by enable, read at the step's last bucket)
 
   ~Control() {
     py::gil_scoped_acquire gil;
@@ -145,11 +147,15 @@ class Hook final : public c10d::CommHookInterface {
       c.checks.push_back(checked);
       return checked;
     }
-    // The step's end while its last allreduce travels: its byte counts and the pipeline's step, in Python.
+    // The step's end, in Python: its byte counts and the pipeline's step, while its last allreduce travels, or
+    // in auto's trial once the step has completed (ended, below)
     std::vector<int64_t> buckets;
     buckets.swap(c.buckets);
-    c.step = std::stoll(call("step_done", buckets));
-    if (c.checks.empty()) return last(weak, checked);
+    if (!c.at_end) {
+      c.step = std::stoll(call("step_done", buckets));
+      buckets.clear();  // nothing left for the step's completion to end
+    }
+    if (c.checks.empty()) return last(weak, checked, buckets);
     std::vector<FuturePtr> all;
     all.swap(c.checks);
     all.push_back(checked);
@@ -158,8 +164,9 @@ class Hook final : public c10d::CommHookInterface {
     // The last bucket completes once every check of the step has run: a non-finite average leaves with it
     // (the step's earlier buckets' errors would let DDP end the step while allreduces are in flight, ddp.py)
     return c10::collectAll(list)->then(
-        [weak, checked](Future& f) -> c10::IValue {
+        [weak, checked, buckets](Future& f) -> c10::IValue {
           Control& ctl = *alive(weak);
+          ended(ctl, buckets);
           if (f.hasError()) {  // a failed allreduce, at once (collectAll has waited for every check of the step)
             // a non-finite average this step held leaves with the step, not at the next step's end
             if (ctl.held.exchange(false)) call_on(ctl, "raise_held");
@@ -176,9 +183,21 @@ class Hook final : public c10d::CommHookInterface {
 
  private:
   // The step's last bucket alone: its check, then any error held.
-  static FuturePtr last(const std::weak_ptr<Control>& weak, const FuturePtr& checked) {
-    return checked->then([weak, checked](Future&) -> c10::IValue { return finish(*alive(weak), checked); },
-                         c10::TensorType::get());
+  static FuturePtr last(const std::weak_ptr<Control>& weak, const FuturePtr& checked,
+                        const std::vector<int64_t>& buckets) {
+    return checked->then(
+        [weak, checked, buckets](Future&) -> c10::IValue {
+          Control& ctl = *alive(weak);
+          ended(ctl, buckets);
+          return finish(ctl, checked);
+        },
+        c10::TensorType::get());
+  }
+
+  // The step's end where it waited for the step to complete (Control.at_end: `buckets` holds the step's buckets),
+  // before anything it raises, as the Python path's step ends.
+  static void ended(Control& c, const std::vector<int64_t>& buckets) {
+    if (!buckets.empty()) c.step = std::stoll(call_on(c, "step_done", buckets));
   }
 
   static c10::IValue finish(Control& c, const FuturePtr& checked) {
@@ -261,16 +280,18 @@ PYBIND11_MODULE(_ddp_hook, m) {
   m.doc() = "The DDP hook's fp32 averages in C++ (hvd_terngrad.ddp.TernGradState.register)";
   py::class_<Control, std::shared_ptr<Control>>(m, "Control")
       .def("enable",
-           [](Control& c, py::object group, int size, uintptr_t scale, double limit, int64_t step) {
+           [](Control& c, py::object group, int size, uintptr_t scale, double limit, int64_t step, bool at_end) {
              c.group = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              c.size = size;
              c.factor = static_cast<float>(1.0 / size);  // as Python's ctypes.c_float(1.0 / size)
              c.limit = limit;
              c.scale = reinterpret_cast<ScaleFn>(scale);
              c.step = step;
+             c.at_end = at_end;
              c.on.store(true);
            },
-           "From the next bucket on, every bucket is averaged here (call between steps).")
+           "From the next bucket on, every bucket is averaged here (call between steps); at_end: each step's end "
+           "in Python once it has completed, not at its last launch.")
       .def("disable", [](Control& c) { c.on.store(false); }, "From the next bucket on, terngrad_hook averages.")
       .def_property_readonly("on", [](const Control& c) { return c.on.load(); });
   m.def("register", &register_hook,

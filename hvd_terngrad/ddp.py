@@ -79,7 +79,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy",
-                 "_group", "_kinds", "_exchanges", "_own", "_native", "_calls", "__weakref__")
+                 "_group", "_kinds", "_exchanges", "_own", "_native", "_plain", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -111,7 +111,7 @@ class TernGradState:
         self._exchanges = _Exchanges(self)  # the buckets the pipeline exchanges, on a worker thread
         self._own = _OwnAverages()  # the buckets it averages itself (_average_now)
         self._native: Optional[_Native] = None  # the hook's C++ path, where register() put it there
-        self._calls = 0  # this step's buckets so far (whether every one was averaged here: _Native.consider)
+        self._plain = True  # every bucket so far a contiguous fp32 buffer on the CPU (what the C++ path averages)
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -166,6 +166,12 @@ class TernGradState:
         return self._native is not None and self._native.control.on
 
     # ------------------------------------------------------------------------------------------
+    def _step_ends(self) -> None:
+        """A step's end, on whichever thread ends it: the pipeline's next step, and which path averages it."""
+        self.pipeline.next_step()
+        if self._native is not None:
+            self._native.steer()
+
     def _split(self, bucket: dist.GradBucket):
         """The bucket's gradients as (name, view of the buffer): the coded ones, and those that stay in float."""
         coded, floats = [], []
@@ -282,7 +288,7 @@ class _Exchanges:
             # last, which its launch order ends with (DDP may plan its buckets again after the first step, so
             # their number is not fixed); a step that raised has ended too, as on the other front ends
             if jobs[-1].last:
-                self.owner.pipeline.next_step()
+                self.owner._step_ends()
         return [j.buffer for j in jobs]
 
     def exchange(self, job: "_Job") -> None:
@@ -411,7 +417,7 @@ class _OwnAverages:
             try:
                 return finish(fut)
             finally:
-                state().pipeline.next_step()
+                state()._step_ends()
 
         return self.after(summed, finish_last)
 
@@ -485,32 +491,42 @@ def _finite_average(markers: _Markers, buf: torch.Tensor) -> bool:
 
 
 class _Native:
-    """The hook's C++ path (csrc/ddp_hook.cpp, TernGradState.register): when it takes the buckets (consider),
+    """The hook's C++ path (csrc/ddp_hook.cpp, TernGradState.register): when it takes the buckets (steer),
     and what it asks of Python: a bucket's layout once, a rank's markers and a non-finite average's error where a
     value is out of range, and the step's end once a step. It averages as _OwnAverages.start does, whose
     docstring says why each piece is there. It holds its state weakly, as start()'s callbacks do."""
 
-    __slots__ = ("owner", "control", "named", "mine", "held", "__weakref__")
+    __slots__ = ("owner", "control", "at_end", "named", "mine", "held", "__weakref__")
 
     def __init__(self, owner: TernGradState):
         self.owner = weakref.ref(owner)
         self.control = None  # hvd_terngrad._ddp_hook.Control: on, or off (every bucket to terngrad_hook)
+        self.at_end = False  # whether it ends each step once completed (auto's trial), as last enabled
         self.named: dict = {}  # bucket index -> (its gradients as TernGradState._named, its bytes)
         self.mine: dict = {}  # bucket index -> the tensors this rank marked there this step (finite.mark)
         self.held: list = []  # this step's non-finite averages, (bucket index, error), raised by the last bucket
 
-    def consider(self, bucket: dist.GradBucket, step: int) -> None:
-        """At the last bucket of a step whose every bucket terngrad_hook averaged itself (_average_now): the C++
-        path takes the next steps, from step `step` on, where auto has decided (the plan no longer changes), no
-        residual of a coded step is left to merge, and the bucket is on the CPU, whose codec has tg_scale."""
+    def steer(self) -> None:
+        """At a step's end (TernGradState._step_ends): whether the C++ path averages the next step. It does where
+        transport="auto"'s plan for it sends every bucket in fp32, in its trial (whose steps it then ends once
+        they have completed, as the other kinds' steps end, so that the trial times each kind alike) or decided,
+        where no residual of a coded step is left to merge (with error feedback, the fp32 step after a coded one
+        merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose codec has
+        tg_scale. Otherwise terngrad_hook averages the next step."""
         owner = self.owner()
-        pipe, buf = owner.pipeline, bucket.buffer()
-        backend = pipe.coder.codec.impl(buf)
-        if not (pipe.auto.decided and not pipe.coder.feedback.worker and buf.device.type == "cpu"
-                and hasattr(backend, "scale_kernel")):
+        pipe = owner.pipeline
+        backend = None
+        if owner._all_uncoded() == "fp32" and owner.process_group is None and owner._plain \
+                and not pipe.coder.feedback.worker:
+            backend = pipe.coder.codec.impl(torch.empty(0))  # the buckets' (on the CPU)
+        if not hasattr(backend, "scale_kernel"):
+            self.control.disable()
             return
-        size = owner.world.size
-        self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), step)
+        at_end = not pipe.auto.decided
+        if not self.control.on or self.at_end != at_end:
+            size = owner.world.size
+            self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), pipe.step, at_end)
+            self.at_end = at_end
 
     def layout(self, bucket: dist.GradBucket) -> tuple:
         """A bucket's new layout: (the positions where its average can carry a marker, or None to read it all;
@@ -552,7 +568,7 @@ class _Native:
         for index in buckets:
             named, nbytes = self.named[index]
             pipe.stats.add_float(nbytes, size, tensors=len(named))
-        pipe.next_step()
+        owner._step_ends()
         return pipe.step
 
     def raise_held(self) -> Optional[str]:
@@ -660,20 +676,14 @@ def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.future
     buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
     state.connect()
     wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
-    calls = state._calls + 1  # this step's buckets so far, this one included
-    state._calls = 0 if bucket.is_last() else calls
+    buf = bucket.buffer()
+    state._plain = state._plain and buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
     exchanges = state._exchanges
     if state._averages_now(bucket, wire):
         exchanges.send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
-        if not bucket.is_last():
-            return state._average_now(bucket)
-        exchanges.order.end_step()
-        everyone = len(state._own.sums) + 1 == calls  # every bucket of the step came this way
-        step = state.pipeline.step  # the step's end may run inside _average_now, where the sums are all in
-        fut = state._average_now(bucket)
-        if everyone and state._native is not None:  # the next steps may go to the C++ path
-            state._native.consider(bucket, step + 1)
-        return fut
+        if bucket.is_last():
+            exchanges.order.end_step()
+        return state._average_now(bucket)
     job = _Job(bucket, *state._split(bucket))
     exchanges.take(job, launched=wire == "fp16")
     if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
