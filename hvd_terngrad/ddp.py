@@ -146,11 +146,11 @@ class TernGradState:
     def register(self, module: torch.nn.parallel.DistributedDataParallel) -> None:
         """module.register_comm_hook(self, terngrad_hook), with the hook's C++ path in front where the library
         has it built for this torch (hvd_terngrad._ddp_hook, csrc/ddp_hook.cpp; else a warning, and the hook
-        runs in Python). Once transport="auto" has settled on fp32 for every bucket, on the CPU, the C++ path
-        averages each bucket as _OwnAverages.start does, to the same bits and with the same errors, and
-        terngrad_hook is no longer called: on a fast link, a hook in Python costs the step 5-6% against DDP's
-        own C++ allreduce (measured: docs/time-to-accuracy.md, "The DDP hook in C++"). Until then, and for
-        anything else, every bucket goes to terngrad_hook."""
+        runs in Python). In each step for which transport="auto"'s plan is fp32 for every bucket, on the CPU (in
+        its trial, or kept), the C++ path averages each bucket as _OwnAverages.start does, to the same bits and
+        with the same errors, and terngrad_hook is not called: on a fast link, a hook in Python costs the step
+        5-6% against DDP's own C++ allreduce (measured: docs/time-to-accuracy.md, "The DDP hook in C++"). Every
+        other step's buckets go to terngrad_hook (_Native.steer)."""
         native = _native_module()
         if native is None:
             module.register_comm_hook(self, terngrad_hook)
