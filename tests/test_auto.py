@@ -252,15 +252,13 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
     assert res[0][0] == res[1][0]
 
 
-def body_hook_fp32_is_ddps_own(port):
-    """DDP's hook with transport="auto" on a link so fast that every bucket goes uncoded, which the hook then
-    averages itself, beside DDP's own C++ allreduce on the same parameters and batches: per step, whether the
-    hook averaged it uncoded, whether every gradient is the same bits as DDP's own, and whether the hook's C++
-    path averaged it (TernGradState.register)."""
+def _beside_ddps_own(port):
+    """The hook (TernGradState.register) with transport="auto" on a link so fast that its plan sends every bucket
+    uncoded, beside DDP's own C++ allreduce: (its state, train) where train(step) trains both models a step
+    from the hooked one's parameters, on the same batches, and says whether every gradient is DDP's bits."""
     from hvd_terngrad.ddp import TernGradState
-    from tests.test_ddp import _close_gloo, _init_gloo
+    from tests.test_ddp import _init_gloo
 
-    auto.TRIAL_PAIRS = 0
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     model, ref = G.Net(), G.Net()
@@ -268,26 +266,42 @@ def body_hook_fp32_is_ddps_own(port):
     own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.01)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
     state.register(hooked)
+
+    def train(step: int) -> bool:
+        ref.load_state_dict(model.state_dict())
+        for net in (hooked, own):
+            net.zero_grad()
+            G.loss(net, rank, step).backward()
+        same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+        return same
+
+    return state, train
+
+
+def body_hook_fp32_is_ddps_own(port):
+    """The plan decided at once (no trial): per step, whether the hook averaged it uncoded, whether every
+    gradient is DDP's bits, and whether the hook's C++ path averaged it; then whether the state outlived
+    its DDP model."""
+    from tests.test_ddp import _close_gloo
+
+    auto.TRIAL_PAIRS = 0
+    state, train = _beside_ddps_own(port)
     out = []
     for step in range(PLAN_STEP + 4):
         if step == PLAN_STEP + 2:  # a resume: the hook in Python for a step (residuals to merge, maybe), then C++
             state.load_state_dict(state.state_dict())
         native = state.native
-        ref.load_state_dict(model.state_dict())
-        for net in (hooked, own):
-            net.zero_grad()
-            G.loss(net, rank, step).backward()
+        same = train(step)
         last = state.pipeline.stats.last
-        out.append((last.tensors_coded == 0 and last.tensors_float > 0,
-                    all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), native))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.1 * p.grad)
+        out.append((last.tensors_coded == 0 and last.tensors_float > 0, same, native))
     import gc
     import weakref
 
     gone = weakref.ref(state), weakref.ref(state._native)
-    del hooked, own, state
+    del state, train
     gc.collect()
     if any(ref() is not None for ref in gone):  # the C++ path holds its Python side weakly: no cycle through C++
         raise AssertionError("the hook's state, or its C++ path's Python side, outlived its DDP model")
@@ -308,36 +322,19 @@ def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
 
 
 def body_trial_with_cpp(port):
-    """The hook with transport="auto" on so fast a link that its plan sends every bucket uncoded, and its trial
-    (TRIAL_PAIRS pairs of rounds: coded, fp32, fp16), beside DDP's own allreduce from the same parameters: per
-    step, the kind auto had in force, whether the C++ path averaged it, and whether every gradient is DDP's
-    bits; then the trial's step times on this rank and the plan kept."""
-    from hvd_terngrad.ddp import TernGradState
-    from tests.test_ddp import _close_gloo, _init_gloo
+    """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, fp32, fp16): per step, the kind auto had in force,
+    whether the C++ path averaged it, and whether every gradient is DDP's bits; then the plans tried, each
+    kind's count of timed steps on this rank, the plan kept and the verdict's step."""
+    from tests.test_ddp import _close_gloo
 
-    rank = _init_gloo(port)
-    torch.set_num_threads(1)
-    model, ref = G.Net(), G.Net()
-    hooked = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-    own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.01)
-    state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
-    state.register(hooked)
+    state, train = _beside_ddps_own(port)
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
         native, plan = state.native, state.connect().auto
-        kind = plan._kind(step) if plan.trials else None
-        ref.load_state_dict(model.state_dict())
-        for net in (hooked, own):
-            net.zero_grad()
-            G.loss(net, rank, step).backward()
-        out.append((kind, native, all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
-                                                                                  ref.parameters()))))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.1 * p.grad)
+        out.append((plan._kind(step) if plan.trials else None, native, train(step)))
     plan = state.pipeline.auto
     summary = (plan.trials, [len(t) for t in plan.times], plan.kept, plan.verdict_step)
-    del hooked, own, state
+    del state, train
     _close_gloo()
     return out, summary
 
