@@ -217,7 +217,6 @@ class TernGradState:
         return self._own.start(self, bucket)
 
 
-
 class _Exchanges:
     """The buckets the pipeline exchanges (all but those the hook averages itself: _OwnAverages, _Native): held
     until a group holds bucket_bytes (or the step's last bucket), then exchanged on one worker thread in DDP's
@@ -513,6 +512,8 @@ class _Native:
         where no residual of a coded step is left to merge (with error feedback, the fp32 step after a coded one
         merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose codec has
         tg_scale. Otherwise terngrad_hook averages the next step."""
+        if self.control.on and not self.at_end:  # the plan kept: nothing here changes (load_state_dict turns it off)
+            return
         owner = self.owner()
         pipe = owner.pipeline
         backend = None
