@@ -42,7 +42,7 @@ lint: install
 # two pytest workers: the container job (mostly waiting on podman and pip) runs beside the rest of the suite
 test: install
 	@$(VENV)/bin/ruff check .
-	@$(PY) -m pytest tests -q -ra --timeout 600 -n 2 --dist loadgroup
+	@$(PY) -m pytest tests -q -ra --timeout 600 -n 2 --dist loadgroup --durations=15
 
 docker: install
 	@bash docker/build.sh --cluster

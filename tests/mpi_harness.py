@@ -60,7 +60,10 @@ def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), lau
         full_env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
                          "OMP_NUM_THREADS": "1", "HVD_TERNGRAD_THREADS": "1",
                          "PATH": f"{BIN}{os.pathsep}{full_env.get('PATH', '')}",
-                         "OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+                         "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+                         # two pytest workers run two jobs at once on few cores: a rank that busy-polls MPI
+                         # while it waits takes the core its peer needs (4x slower steps, measured)
+                         "OMPI_MCA_mpi_yield_when_idle": "1"})
         full_env.update(env or {})
         cmd = [*launcher_cmd(np, launcher), sys.executable, "-m", "tests._rank_main", str(work)]
         t0 = time.monotonic()
