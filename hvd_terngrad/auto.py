@@ -35,7 +35,9 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
   warranted (measured: docs/time-to-accuracy.md, "Auto's trial: the kinds take turns"). Each kind runs as
   it would once kept: DDP's hook averages the fp32 plan's steps on its C++ path (ddp._Native.steer); timed
-  on the Python hook, the plan lost by 0.4-2.8% to kinds the C++ path beats by more. A coded step then
+  on the Python hook, the plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the coded
+  kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the step
+  after a coded one merges the coded step's residuals, in Python (AutoPlan._turns). A coded step then
   carries every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the
   shortest: a plan only if it beat the coded steps, else every group is coded from then on.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
@@ -110,8 +112,8 @@ class AutoPlan:
         0                   coded (allocations warm up)
         1 .. PLAN_STEP-2    coded; codec seconds per element and the window measured
         PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the plans to try
-        2 * TRIAL_PAIRS     rounds: the kinds in turn, a step each (coded, then each plan; the second round of
-                            a pair the other way round), every step timed
+        2 * TRIAL_PAIRS     rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
+                            _turns; the second round of a pair the other way round), every step timed
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
                             median of its pair means; the fastest is kept
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
@@ -216,12 +218,20 @@ class AutoPlan:
 
     def _kind(self, step: int) -> int | None:
         """The kind step `step` of the trial is: 0 every group coded as the model says, k the plan trials[k - 1];
-        None outside the trial. Round r runs the kinds in order, or (r odd: the second of a pair) in reverse."""
+        None outside the trial. Round r runs the kinds in turn (_turns), or (r odd: the second of a pair) in
+        reverse."""
         if not PLAN_STEP <= step < self.verdict_step:
             return None
-        kinds = 1 + len(self.trials)
-        r, i = divmod(step - PLAN_STEP, kinds)
-        return kinds - 1 - i if r % 2 else i
+        turns = self._turns()
+        r, i = divmod(step - PLAN_STEP, len(turns))
+        return turns[-1 - i] if r % 2 else turns[i]
+
+    def _turns(self) -> list[int]:
+        """The kinds in a round's order: coded, then the plans as tried, but the plan that sends its uncoded
+        groups in fp32 last. An fp32 step then follows an fp16 or fp32 one, never a coded one, whose residuals
+        (error feedback) it would merge in Python, off the C++ path it runs on once kept (ddp._Native.steer)."""
+        return sorted(range(1 + len(self.trials)),
+                      key=lambda k: k > 0 and self.trials[k - 1][0] is not None and self.trials[k - 1][2] == "fp32")
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""

@@ -54,9 +54,10 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
 def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0) -> list[float]:
     """Step seconds of a whole trial: PLAN_STEP coded steps of `before`, then the rounds, where kind k (0:
     coded, k: the k-th plan) takes kinds[k], plus drift times the step's place in the rounds, then 3 steps
-    past the verdict."""
-    order = [k for r in range(2 * TRIAL_PAIRS) for k in (range(len(kinds)) if r % 2 == 0 else
-                                                          reversed(range(len(kinds))))]
+    past the verdict. The plans end with the fp32 plan and the fp16 one, and a round runs the fp32 plan last."""
+    fp32 = len(kinds) - 2
+    turns = [k for k in range(len(kinds)) if k != fp32] + [fp32]
+    order = [k for r in range(2 * TRIAL_PAIRS) for k in (turns if r % 2 == 0 else reversed(turns))]
     return [before] * PLAN_STEP + [kinds[k] + drift * j for j, k in enumerate(order)] + [kinds[0]] * 3
 
 
@@ -88,7 +89,7 @@ def test_the_trial_is_not_swayed_by_a_drift_of_the_machines_speed_or_by_a_spike(
     warming, spiked = AutoPlan(), AutoPlan()
     _steps(warming, trial([0.030, 0.025, 0.0255], drift=-0.0005))
     seconds = trial([0.010, 0.009, 0.0095])
-    seconds[PLAN_STEP + 3 * 3 + 1] = 0.090  # the fp32 step of the second pair's second round
+    seconds[PLAN_STEP + 3 * 3] = 0.090  # the fp32 step of the second pair's second round (fp32, fp16, coded)
     _steps(spiked, seconds)
     for p in (warming, spiked):
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
@@ -252,10 +253,11 @@ def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pa
     assert res[0][0] == res[1][0]
 
 
-def _beside_ddps_own(port):
+def _beside_ddps_own(port, **options):
     """The hook (TernGradState.register) with transport="auto" on a link so fast that its plan sends every bucket
-    uncoded, beside DDP's own C++ allreduce: (its state, train) where train(step) trains both models a step
-    from the hooked one's parameters, on the same batches, and says whether every gradient is DDP's bits."""
+    uncoded, and TernGrad's `options`, beside DDP's own C++ allreduce: (its state, train) where train(step) trains
+    both models a step from the hooked one's parameters, on the same batches, and says whether every gradient
+    is DDP's bits."""
     from hvd_terngrad.ddp import TernGradState
     from tests.test_ddp import _init_gloo
 
@@ -264,7 +266,7 @@ def _beside_ddps_own(port):
     model, ref = G.Net(), G.Net()
     hooked = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     own = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.01)
-    state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
+    state = TernGradState(model.named_parameters(), **{**G.COMMON, **options}, transport="auto", link_gbps=1000.0)
     state.register(hooked)
 
     def train(step: int) -> bool:
@@ -321,13 +323,13 @@ def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
         assert [native for _, _, native in out] == [False] * PLAN_STEP + [True, True, False, True]
 
 
-def body_trial_with_cpp(port):
-    """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, fp32, fp16): per step, the kind auto had in force,
-    whether the C++ path averaged it, and whether every gradient is DDP's bits; then the plans tried, each
-    kind's count of timed steps on this rank, the plan kept and the verdict's step."""
+def body_trial_with_cpp(port, error_feedback):
+    """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, fp16, fp32, then fp32, fp16, coded): per step, the
+    kind auto had in force, whether the C++ path averaged it, and whether every gradient is DDP's bits; then the
+    plans tried, each kind's count of timed steps on this rank, the plan kept and the verdict's step."""
     from tests.test_ddp import _close_gloo
 
-    state, train = _beside_ddps_own(port)
+    state, train = _beside_ddps_own(port, error_feedback=error_feedback)
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
         native, plan = state.native, state.connect().auto
@@ -340,13 +342,17 @@ def body_trial_with_cpp(port):
 
 
 @pytest.mark.mpi
-def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep():
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep(error_feedback):
     """The trial times each kind as it would run once kept: the fp32 plan's steps on the C++ path (each ended
     once it has completed, as the Python kinds' steps are), the coded and fp16 steps in Python. Timed in Python,
     the fp32 plan carried the Python hook's 5-8% against the C++ path it would run on, and lost to fp16 or to
-    coding by 0.4-2.8% on lenet on the fast profile (docs/time-to-accuracy.md)."""
+    coding by 0.4-2.8% on lenet on the fast profile (docs/time-to-accuracy.md). With error feedback too: no fp32
+    step of the trial follows a coded one, whose residuals it would merge in Python; once decided, the first
+    step after the coded verdict step merges them."""
     _needs_cpp_hook()
-    res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120, args=(29787,))
+    res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120,
+                    args=(29789 if error_feedback else 29787, error_feedback))
     assert res[0] == res[1]  # the same kinds, paths, bits and verdict on both ranks
     out, (trials, counts, kept, verdict) = res[0]
     assert [w for _, _, w in trials] == ["fp32", "fp16"] and counts == [2 * TRIAL_PAIRS] * 3, (trials, counts)
@@ -354,6 +360,8 @@ def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep():
     for step, (kind, native, same) in enumerate(out):
         if PLAN_STEP <= step < verdict:  # the trial: the fp32 plan in C++, DDP's bits; every other kind in Python
             assert native == same == (kind == fp32), (step, kind, native, same)
+        elif step == verdict + 1 and error_feedback:  # the verdict step's residuals merged, in Python
+            assert not native and not same, (step, kept)
         elif step > verdict:  # decided: the C++ path where the fp32 plan was kept
             assert native == same == (kept == fp32 - 1), (step, kept, native, same)
         else:  # coded
