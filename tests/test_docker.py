@@ -35,6 +35,9 @@ def test_images_use_the_readme_install_script_and_bake_no_keys(path):
     assert "horovodrun --check-build" in text
     assert "ssh_host_" in text and "rm -f /etc/ssh/ssh_host_*" in text  # host keys made at start-up
     assert "id_ed25519" not in text and "PasswordAuthentication no" in text
+    # the dependencies first, from the install script and the staged wheels alone: their layers outlive a change
+    # of the code, which otherwise built the whole venv again in every new commit's image
+    assert "COPY scripts/install.sh build* /opt/deps/" in text and "COPY . ." not in text[:text.index("--deps")]
 
 
 def test_gpu_image_builds_horovod_with_nccl_against_stubs():
