@@ -230,8 +230,10 @@ class AutoPlan:
         """The kinds in a round's order: coded, then the plans as tried, but the plan that sends its uncoded
         groups in fp32 last. An fp32 step then follows an fp16 or fp32 one, never a coded one, whose residuals
         (error feedback) it would merge in Python, off the C++ path it runs on once kept (ddp._Native.steer)."""
-        return sorted(range(1 + len(self.trials)),
-                      key=lambda k: k > 0 and self.trials[k - 1][0] is not None and self.trials[k - 1][2] == "fp32")
+        def fp32_plan(k: int) -> bool:  # a plan (not every group coded) whose uncoded groups travel in fp32
+            return k > 0 and self.trials[k - 1][0] is not None and self.trials[k - 1][2] == "fp32"
+
+        return sorted(range(1 + len(self.trials)), key=fp32_plan)
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
