@@ -191,7 +191,8 @@ do_pytools() {
   "$PY" -m pip install "${TOOL_PKGS[@]}"
 }
 
-# --- 6. the locked versions (a venv made before the lock, or before it moved, is brought to it) -
+# --- 6. the locked versions (LOCK) ----------------------------------------------------------
+# A venv made before the lock, or before the lock moved, is brought to it here.
 check_lock() {
   [ -z "$LOCK" ] || "$PY" - "$LOCK" <<'EOF'
 import importlib.metadata as md
