@@ -126,3 +126,17 @@ def test_the_main_jobs_table_on_localhost_adds_the_cost_models_step_on_1_gbit():
     assert link_ms("fp32", 2) > 2 * link_ms("terngrad", 2) > 0
     assert f"| 10.0 ms | {10 + link_ms('fp32', 2):.1f} ms |" in text
     assert "predicted" not in table([run("fp32", 1.0)], 2)
+
+
+def test_the_trial_cost_benchmark_codes_the_steps_auto_codes():
+    """benchmarks.trial_cost codes the steps auto codes where it tries its plan in each wire: the measured
+    steps, the coded turn of each round (first, or last in the second round of a pair) and the verdict step;
+    read from AutoPlan itself, so that the benchmark follows the trial when it changes."""
+    from benchmarks.trial_cost import coded_steps
+    from hvd_terngrad.auto import PLAN_STEP, TRIAL_PAIRS
+    from hvd_terngrad.transports.uncoded import WIRES
+
+    kinds = 1 + len(WIRES)
+    rounds = [PLAN_STEP + r * kinds + (kinds - 1 if r % 2 else 0) for r in range(2 * TRIAL_PAIRS)]
+    verdict = PLAN_STEP + 2 * TRIAL_PAIRS * kinds
+    assert coded_steps() == set(range(PLAN_STEP)) | set(rounds) | {verdict}

@@ -1,0 +1,100 @@
+"""What transport="auto"'s trial costs in steps to the target, with no clock: FP32 against FP32 whose trial steps
+are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchange), seed by seed.
+
+    python -m benchmarks.trial_cost --task ncf --seeds 0-15 --workers 4      # about 4 min on 2 cores
+
+Auto codes its first steps (to measure the codec) and the coded turns of its trial, then keeps what was fastest.
+On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
+coded steps do to the model. Here every other step is FP32 (the trial's fp16 steps too: their scaled average
+stays within fp16's rounding of FP32's), and the coded steps are the paper's TernGrad, as `terngrad:auto`
+codes them. Each run evaluates 8 times an epoch, as benchmarks.time_to_accuracy does; the target is the FP32
+runs' mean final metric less 0.5 pp. Prints, per seed, the step at which each reached it, and how many seeds
+reached it later or sooner with the trial.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.fidelity_suite import TASKS, Data, plan, schedule
+from benchmarks.simulator import SimulatedWorkers
+from benchmarks.time_to_accuracy import EVALS_PER_EPOCH
+from hvd_terngrad import TernGradConfig
+from hvd_terngrad.auto import PLAN_STEP, AutoPlan
+from hvd_terngrad.collectives.loopback import horovod_average
+from hvd_terngrad.transports.uncoded import WIRES
+
+
+def coded_steps() -> set[int]:
+    """The steps auto codes every group on, where the model leaves every group uncoded and it tries its plan in
+    each wire (AutoPlan: the measured steps, the trial's coded turns, the verdict step)."""
+    auto = AutoPlan()
+    auto.trials = [(set(), None, wire) for wire in WIRES]
+    return {s for s in range(auto.verdict_step + 1)
+            if s < PLAN_STEP or s == auto.verdict_step or auto._kind(s) == 0}
+
+
+def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int, float]]:
+    """One simulated training of the suite's recipe; its curve of (step, test metric)."""
+    task = data.task
+    torch.manual_seed(seed)
+    model = data.model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
+    per_epoch, total = plan(task, data.n_train, workers)
+    sched = schedule(opt, task, total)
+    sim = SimulatedWorkers(model.named_parameters(), TernGradConfig(seed=seed, exclude=(task.classifier,)), workers)
+    g = torch.Generator().manual_seed(10_000 + seed)  # the suite's batches
+    every, curve, step = max(1, per_epoch // EVALS_PER_EPOCH), [], 0
+    while step < total:
+        order = torch.randperm(data.n_train, generator=g)
+        for b in range(min(per_epoch, total - step)):
+            chunk = order[b * task.batch * workers: (b + 1) * task.batch * workers].view(workers, task.batch)
+            grads = []
+            for r in range(workers):
+                model.zero_grad(set_to_none=False)
+                data.loss(model, chunk[r]).backward()
+                grads.append([p.grad.clone() for p in params])
+            avg = sim.average(grads) if step in coded else [horovod_average(list(gs)) for gs in zip(*grads)]
+            for p, a in zip(params, avg):
+                p.grad.copy_(a)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % every == 0 or step == total:
+                curve.append((step, data.evaluate(model)))
+    return curve
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="ncf", choices=[t for t in TASKS if TASKS[t].metric == "acc"])
+    ap.add_argument("--seeds", default="0-15", help="first-last")
+    ap.add_argument("--workers", type=int, default=4)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    first, last = map(int, args.seeds.split("-"))
+    data, coded = Data(TASKS[args.task]), coded_steps()
+    print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
+    curves = {s: (run(data, s, args.workers, set()), run(data, s, args.workers, coded)) for s in range(first, last + 1)}
+    target = statistics.mean(fp32[-1][1] for fp32, _ in curves.values()) - 0.5
+    never = 10 ** 9
+
+    def reached(curve):
+        return next((s for s, m in curve if m >= target), never)
+
+    later = sooner = 0
+    for seed, (fp32, trial) in curves.items():
+        a, b = reached(fp32), reached(trial)
+        later, sooner = later + (b > a), sooner + (b < a)
+        print(f"seed {seed}: target reached at step {a if a < never else '-'} (FP32), "
+              f"{b if b < never else '-'} (trial coded); final {fp32[-1][1]:.2f}, {trial[-1][1]:.2f}")
+    print(f"target {target:.2f}: with the trial coded, later on {later} seeds, sooner on {sooner}, of {len(curves)}; "
+          f"median steps {statistics.median(reached(f) for f, _ in curves.values())} (FP32), "
+          f"{statistics.median(reached(t) for _, t in curves.values())} (trial coded)")
+
+
+if __name__ == "__main__":
+    main()
