@@ -21,7 +21,7 @@ except ImportError:  # no torch at build time: the hook stays in Python
 
 class ParallelBuildExt(BuildExtension.with_options(use_ninja=False) if BuildExtension else build_ext):
     """The two extensions compiled side by side, one per core (as `build_ext -j`, which pip's editable install
-    cannot pass on): 18 s instead of 25 s on two cores, of every install's, image build's and fresh venv's."""
+    cannot pass on): 21 s instead of 26-28 s on two cores, in every install, image build and fresh venv."""
 
     def finalize_options(self):
         super().finalize_options()

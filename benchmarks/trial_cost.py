@@ -1,11 +1,11 @@
 """What transport="auto"'s trial costs in steps to the target, with no clock: FP32 against FP32 whose trial steps
 are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchange), seed by seed.
 
-    python -m benchmarks.trial_cost --task ncf --seeds 0-15 --workers 4      # about 4 min on 2 cores
+    python -m benchmarks.trial_cost --task ncf --seeds 0-15 --workers 4      # about 6 min, on one core
 
 Auto codes its first steps (to measure the codec) and the coded turns of its trial, then keeps what was fastest.
 On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
-coded steps do to the model. Here every other step is FP32 (the trial's fp16 steps too: their scaled average
+coded steps do to the model. Here all the other steps are FP32 (the trial's fp16 steps too: their scaled average
 stays within fp16's rounding of FP32's), and the coded steps are the paper's TernGrad, as `terngrad:auto`
 codes them. Each run evaluates 8 times an epoch, as benchmarks.time_to_accuracy does; the target is the FP32
 runs' mean final metric less 0.5 pp. Prints, per seed, the step at which each reached it, and how many seeds

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = [ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile.gpu"]
@@ -167,7 +169,6 @@ kill $hb
 
 
 def _lock() -> list:
-    from packaging.requirements import Requirement
     lines = (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
     return [Requirement(ln) for ln in lines if ln.strip() and not ln.startswith("#")]
 
@@ -176,10 +177,9 @@ def test_the_lock_pins_every_requirement_within_its_range_for_one_python():
     """scripts/constraints.txt: one exact version of each package install.sh installs from an index, inside the
     range install.sh asks for, for the Python the suite ran on (another Python takes the newest: the GPU image's
     3.10, where numpy's locked release does not install); torch and Horovod stay pinned in install.sh alone."""
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-    lock = {canonicalize_name(r.name): r for r in _lock()}
-    assert len(lock) == len(_lock())  # each package once
+    pins = _lock()
+    lock = {canonicalize_name(r.name): r for r in pins}
+    assert len(lock) == len(pins)  # each package once
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     for name, req in lock.items():
         assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", req
