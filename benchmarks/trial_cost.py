@@ -2,6 +2,7 @@
 are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchange), seed by seed.
 
     python -m benchmarks.trial_cost --task ncf --seeds 0-15 --workers 4      # about 6 min, on one core
+    python -m benchmarks.trial_cost --task ncf --seeds 0-47 --jobs 2         # the seeds in 2 processes
 
 Auto codes its first steps (to measure the codec) and the coded turns of its trial, then keeps what was fastest.
 On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
@@ -14,7 +15,9 @@ reached it later or sooner with the trial.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -68,17 +71,31 @@ def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int,
     return curve
 
 
+def _pair(job: tuple) -> tuple[list, list]:
+    """One seed's two runs (FP32, then with the trial's steps coded); in a process of its own with --jobs."""
+    task, seed, workers, coded = job
+    torch.set_num_threads(1)
+    data = Data(TASKS[task])
+    return run(data, seed, workers, set()), run(data, seed, workers, coded)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="ncf", choices=[t for t in TASKS if TASKS[t].metric == "acc"])
     ap.add_argument("--seeds", default="0-15", help="first-last")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=1, help="processes, a seed each at a time")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
     first, last = map(int, args.seeds.split("-"))
-    data, coded = Data(TASKS[args.task]), coded_steps()
+    seeds, coded = range(first, last + 1), coded_steps()
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
-    curves = {s: (run(data, s, args.workers, set()), run(data, s, args.workers, coded)) for s in range(first, last + 1)}
+    todo = [(args.task, s, args.workers, coded) for s in seeds]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            pairs = list(pool.map(_pair, todo))
+    else:
+        pairs = list(map(_pair, todo))
+    curves = dict(zip(seeds, pairs))
     target = statistics.mean(fp32[-1][1] for fp32, _ in curves.values()) - 0.5
     never = 10 ** 9
 
