@@ -288,8 +288,10 @@ def schedule(opt, task: Task, total: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warm) * max(0.0, 1 - t / total) ** .5)
 
 
-def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | None = None) -> dict:
-    """One simulated run; its curve (test metric after each epoch) and final metric."""
+def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | None = None,
+          coded: set[int] | None = None, evals_per_epoch: int = 1) -> dict:
+    """One simulated run; its curve (test metric evals_per_epoch times an epoch) and final metric. coded: the
+    steps a TernGrad method codes, every other one averaged in FP32 (None: every step; benchmarks.trial_cost)."""
     task = data.task
     torch.manual_seed(seed)
     model = data.model()
@@ -314,15 +316,16 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     run = {"task": task.name, "method": method, "workers": workers, "seed": seed, "steps": total,
            "recipe": dataclasses.asdict(task)}
     try:
-        _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve)
+        _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve,
+               max(1, per_epoch // evals_per_epoch), coded)
     except NonFiniteGradientError as exc:  # TernGrad raises on a NaN, as on real ranks; FP32 trains on with NaN
         return {**run, "final": float("nan"), "curve": curve, "seconds": time.perf_counter() - t0,
                 "diverged": str(exc)}
     return {**run, "final": curve[-1][1], "curve": curve, "seconds": time.perf_counter() - t0}
 
 
-def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve) -> None:
-    """The training loop of train(): test metric after each epoch into curve."""
+def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, total, curve, every, coded) -> None:
+    """The training loop of train(): test metric every `every` steps into curve."""
     # Batch norm's running statistics are buffers, which Horovod does not average: each worker keeps its own,
     # and worker 0's are the ones evaluated, as rank 0 evaluates and saves.
     stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
@@ -341,7 +344,8 @@ def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, to
                 data.loss(model, chunk[r]).backward()
                 grads.append([p.grad.clone() for p in params])
                 _copy(own[r], stats)
-            avg = sim.average(grads) if sim else [horovod_average(list(gs)) for gs in zip(*grads)]
+            by_sim = sim is not None and (coded is None or step in coded)
+            avg = sim.average(grads) if by_sim else [horovod_average(list(gs)) for gs in zip(*grads)]
             for p, a in zip(params, avg):
                 p.grad.copy_(a)
             if task.clip_norm > 0:
@@ -349,7 +353,7 @@ def _steps(data, model, params, sim, opt, sched, g, task, workers, per_epoch, to
             opt.step()
             sched.step()
             step += 1
-            if step % per_epoch == 0 or step == total:
+            if step % every == 0 or step == total:
                 _copy(stats, own[0])
                 curve.append((step, data.evaluate(model)))
 

@@ -21,12 +21,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from benchmarks.fidelity_suite import TASKS, Data, plan, schedule
-from benchmarks.simulator import SimulatedWorkers
+from benchmarks.fidelity_suite import TASKS, Data, train
 from benchmarks.time_to_accuracy import EVALS_PER_EPOCH
-from hvd_terngrad import TernGradConfig
 from hvd_terngrad.auto import PLAN_STEP, AutoPlan
-from hvd_terngrad.collectives.loopback import horovod_average
 from hvd_terngrad.transports.uncoded import WIRES
 
 
@@ -40,35 +37,10 @@ def coded_steps() -> set[int]:
 
 
 def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int, float]]:
-    """One simulated training of the suite's recipe; its curve of (step, test metric)."""
-    task = data.task
-    torch.manual_seed(seed)
-    model = data.model()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
-    per_epoch, total = plan(task, data.n_train, workers)
-    sched = schedule(opt, task, total)
-    sim = SimulatedWorkers(model.named_parameters(), TernGradConfig(seed=seed, exclude=(task.classifier,)), workers)
-    g = torch.Generator().manual_seed(10_000 + seed)  # the suite's batches
-    every, curve, step = max(1, per_epoch // EVALS_PER_EPOCH), [], 0
-    while step < total:
-        order = torch.randperm(data.n_train, generator=g)
-        for b in range(min(per_epoch, total - step)):
-            chunk = order[b * task.batch * workers: (b + 1) * task.batch * workers].view(workers, task.batch)
-            grads = []
-            for r in range(workers):
-                model.zero_grad(set_to_none=False)
-                data.loss(model, chunk[r]).backward()
-                grads.append([p.grad.clone() for p in params])
-            avg = sim.average(grads) if step in coded else [horovod_average(list(gs)) for gs in zip(*grads)]
-            for p, a in zip(params, avg):
-                p.grad.copy_(a)
-            opt.step()
-            sched.step()
-            step += 1
-            if step % every == 0 or step == total:
-                curve.append((step, data.evaluate(model)))
-    return curve
+    """One simulated training of the suite's recipe, the steps in `coded` coded by the paper's TernGrad (none:
+    FP32); its curve of (step, test metric)."""
+    method = "terngrad" if coded else "fp32"
+    return train(data, method, workers, seed, coded=coded, evals_per_epoch=EVALS_PER_EPOCH)["curve"]
 
 
 def _pair(job: tuple) -> tuple[list, list]:
