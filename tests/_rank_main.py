@@ -1,7 +1,13 @@
-"""Entry point of one rank under tests.mpi_harness: run the body, store the result or the traceback."""
+"""Entry point of one rank under tests.mpi_harness: run the body, store the result or the traceback.
+
+Where HVDTG_ZYGOTE names a warm server's socket (tests._zygote), this process is only the stub that mpirun
+started: a process forked from the server, with the imports done, runs the rank, and the stub passes signals on
+to it and exits as it did."""
+import contextlib
 import importlib
 import os
 import pickle
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -36,5 +42,41 @@ def main() -> None:
     out.flush()
 
 
+def _through_zygote(base: str) -> None:
+    """Run this rank in a process forked by the warm server of this rank's index, and end as it ended; return
+    where the server refuses (tests._zygote.startup_env) or is not there, to start as before."""
+    import socket
+
+    from tests._zygote import REFUSED, recv_msg, send_msg, slot_path
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(slot_path(base, _rank()))
+    except OSError:  # no server (it was stopped, or failed to start): as before
+        return
+    send_msg(conn, (sys.argv, dict(os.environ), os.getcwd(), sys.executable), fds=(0, 1, 2))
+    got = recv_msg(conn)
+    if got is None or got[0] == REFUSED:
+        return
+    pid = got[0]
+
+    def pass_on(signum, _frame):  # what mpirun sends its process (SIGTERM on an abort) goes to the rank
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+        signal.signal(sig, pass_on)
+    got = recv_msg(conn)
+    status = got[0] if got is not None else 1 << 8
+    if os.WIFSIGNALED(status):  # die of the rank's signal, so that mpirun reports it as the rank's
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set, and needs no setting
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 if __name__ == "__main__":
+    if os.environ.get("HVDTG_ZYGOTE"):  # the stub (a rank forked by the server does not see it)
+        _through_zygote(os.environ["HVDTG_ZYGOTE"])
     main()

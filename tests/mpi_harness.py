@@ -7,9 +7,14 @@ The body is a top-level function `body(*args)`; it runs in every rank and its re
 comes back in rank order. When any rank raises, run_ranks raises RankFailure with that rank's traceback
 and stderr. When the job outlives `timeout` seconds, the whole process group is killed and run_ranks
 raises RankTimeout, so a hung collective fails the test instead of hanging CI.
+
+The ranks start warm: each is forked by a server that has already imported torch, Horovod and hvd_terngrad
+(tests._zygote), one server per rank index, started on first use. A job's ranks are still separate
+processes under a real mpirun. HVDTG_TEST_ZYGOTE=0 starts every rank fresh instead.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -51,20 +56,30 @@ def launcher_cmd(np: int, launcher: str) -> list[str]:
     raise ValueError(f"unknown launcher {launcher!r}; allowed: mpirun, horovodrun")
 
 
+def job_env(np: int, env: dict | None = None) -> dict:
+    """The environment of a job's ranks: this process's, the harness's settings, the warm servers'
+    socket (tests._zygote) where they are up, and `env` last."""
+    full_env = dict(os.environ)
+    full_env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+                     "OMP_NUM_THREADS": "1", "HVD_TERNGRAD_THREADS": "1",
+                     "PATH": f"{BIN}{os.pathsep}{full_env.get('PATH', '')}",
+                     "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+                     # two pytest workers run two jobs at once on few cores: a rank that busy-polls MPI
+                     # while it waits takes the core its peer needs (4x slower steps, measured)
+                     "OMPI_MCA_mpi_yield_when_idle": "1"})
+    base = _warm_servers(np, dict(full_env))
+    if base:
+        full_env["HVDTG_ZYGOTE"] = base
+    full_env.update(env or {})
+    return full_env
+
+
 def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), launcher: str = "mpirun",
               env: dict | None = None) -> list:
     work = Path(tempfile.mkdtemp(prefix="hvdtg-ranks-"))
     try:
         (work / "spec.pkl").write_bytes(pickle.dumps({"target": target, "args": args}))
-        full_env = dict(os.environ)
-        full_env.update({"PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
-                         "OMP_NUM_THREADS": "1", "HVD_TERNGRAD_THREADS": "1",
-                         "PATH": f"{BIN}{os.pathsep}{full_env.get('PATH', '')}",
-                         "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
-                         # two pytest workers run two jobs at once on few cores: a rank that busy-polls MPI
-                         # while it waits takes the core its peer needs (4x slower steps, measured)
-                         "OMPI_MCA_mpi_yield_when_idle": "1"})
-        full_env.update(env or {})
+        full_env = job_env(np, env)
         cmd = [*launcher_cmd(np, launcher), sys.executable, "-m", "tests._rank_main", str(work)]
         t0 = time.monotonic()
         with open(work / "launcher.log", "wb") as log:
@@ -93,6 +108,52 @@ def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), lau
         return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+_servers: dict[int, subprocess.Popen] = {}  # rank index -> its warm server (tests._zygote), this process's
+_server_dir: list[str] = []  # the folder of their sockets, once made
+_server_env: dict[str, str] = {}  # the variables read at start (tests._zygote.startup_env) they were started with
+
+
+def _warm_servers(np: int, env: dict) -> str | None:
+    """The base of the sockets of warm servers for ranks 0..np-1 (tests._zygote), started on first use and
+    waited for; None where HVDTG_TEST_ZYGOTE=0 or a server does not come up (ranks then start fresh)."""
+    from tests._zygote import SLOTS, slot_path, startup_env
+
+    if os.environ.get("HVDTG_TEST_ZYGOTE", "1") == "0":
+        return None
+    if not _server_dir:
+        _server_dir.append(tempfile.mkdtemp(prefix="hvdtg-z-"))
+        atexit.register(_stop_servers)
+    base = os.path.join(_server_dir[0], "s")
+    wanted = startup_env(env)
+    if _servers and wanted != _server_env:  # a rank forked from them could not take this environment: anew
+        _stop_servers(keep_dir=True)
+    _server_env.clear()
+    _server_env.update(wanted)
+    for slot in range(min(np, SLOTS)):
+        if slot not in _servers or _servers[slot].poll() is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot_path(base, slot))
+            _servers[slot] = subprocess.Popen([sys.executable, "-m", "tests._zygote", slot_path(base, slot)],
+                                              cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    for slot in range(min(np, SLOTS)):
+        while not os.path.exists(slot_path(base, slot)):
+            if _servers[slot].poll() is not None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+    return base
+
+
+def _stop_servers(keep_dir: bool = False) -> None:
+    for proc in _servers.values():
+        proc.kill()
+        proc.wait()
+    _servers.clear()
+    if not keep_dir:
+        shutil.rmtree(_server_dir[0], ignore_errors=True)
 
 
 def run_ranks_failing(target: str, np: int, within: float, args: tuple = (), timeout: float = 90.0) -> str:

@@ -69,3 +69,66 @@ def test_planted_hang_fails_within_timeout():
     elapsed = time.monotonic() - t0
     assert elapsed < 8 + 10, elapsed
     assert "did not finish within 8 s" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The warm start (tests._zygote): ranks forked from servers that have imported torch, Horovod and hvd_terngrad
+def body_where():
+    import sys
+
+    import torch
+
+    zygote = sys.modules.get("tests._zygote")
+    return {"pid": os.getpid(), "hash": hash("terngrad"), "warm": bool(zygote and zygote.FORKED),
+            "threads": torch.get_num_threads(), "sees_server": "HVDTG_ZYGOTE" in os.environ}
+
+
+warm_only = pytest.mark.skipif(os.environ.get("HVDTG_TEST_ZYGOTE") == "0", reason="ranks start fresh here")
+
+
+@warm_only
+def test_ranks_start_warm_as_separate_processes_each_with_its_own_hash_seed():
+    res = run_ranks("tests.test_harness:body_where", np=4, timeout=60)
+    assert all(r["warm"] and not r["sees_server"] for r in res), res
+    assert len({r["pid"] for r in res}) == 4
+    assert all(r["threads"] == 1 for r in res)  # OMP_NUM_THREADS=1, as the harness sets it, read at import
+    if "PYTHONHASHSEED" not in os.environ:  # fresh interpreters' sets of strings iterate in different orders
+        assert len({r["hash"] for r in res}) == 4, res
+
+
+def test_a_rank_whose_startup_environment_differs_starts_fresh():
+    res = run_ranks("tests.test_harness:body_where", np=2, timeout=60, env={"OMP_NUM_THREADS": "2"})
+    assert not any(r["warm"] for r in res) and all(r["threads"] == 2 for r in res), res
+
+
+@warm_only
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_the_process_mpirun_started_reaches_its_warm_rank(tmp_path, sig):
+    """mpirun signals the process it started (SIGTERM on an abort, then SIGKILL): the rank forked for it
+    dies of SIGTERM with it, and dies too where its stub was killed outright. No rank outlives its job."""
+    import pickle
+    import signal
+    import subprocess
+    import sys
+
+    from tests.mpi_harness import ROOT, job_env
+
+    (tmp_path / "spec.pkl").write_bytes(pickle.dumps({"target": "time:sleep", "args": (120,)}))
+    stub = subprocess.Popen([sys.executable, "-m", "tests._rank_main", str(tmp_path)], cwd=ROOT,
+                            env={**job_env(1), "OMPI_COMM_WORLD_RANK": "0"})
+    pid_file, deadline = tmp_path / "rank0.pid", time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and stub.poll() is None, "the rank never started"
+        time.sleep(0.05)
+    rank = int(pid_file.read_text())
+    assert rank != stub.pid
+    stub.send_signal(getattr(signal, sig))
+    assert stub.wait(timeout=30) == -getattr(signal, sig)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"the rank outlived its stub's {sig}"
+        time.sleep(0.05)
