@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import ctypes
 import importlib
 import os
 import pickle
@@ -122,14 +123,20 @@ def serve(path: str) -> None:
 def _monitor(conn: socket.socket, own_env: dict) -> None:
     """One stub's rank (the module docstring). Neither the monitor nor its rank ever returns to the server's
     loop: each ends with os._exit, whatever it meets."""
+    rank: list[int] = []
     try:
-        _watch(conn, own_env)
+        _watch(conn, own_env, rank)
     finally:
+        for pid in rank:  # a rank not yet reaped: the monitor met an error (a stub gone while it was told)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         os._exit(1)
 
 
-def _watch(conn: socket.socket, own_env: dict) -> None:
-    """Fork the stub's rank, pass the stub its pid and then its exit status; kill it if the stub goes first."""
+def _watch(conn: socket.socket, own_env: dict, rank: list[int]) -> None:
+    """Fork the stub's rank (its pid into `rank` until it is reaped), pass the stub its pid and then its exit
+    status; kill it if the stub goes first."""
     got = recv_msg(conn, 3)
     if got is None or len(got[1]) != 3:
         os._exit(1)
@@ -140,7 +147,9 @@ def _watch(conn: socket.socket, own_env: dict) -> None:
     pid = os.fork()
     if pid == 0:
         conn.close()
+        _die_with_parent()
         _become_rank(argv, env, cwd, fds)
+    rank.append(pid)
     for fd in fds:
         os.close(fd)
     send_msg(conn, pid)
@@ -148,12 +157,20 @@ def _watch(conn: socket.socket, own_env: dict) -> None:
     while True:
         ready, _, _ = select.select([pidfd, conn], [], [])
         if pidfd in ready:
-            send_msg(conn, os.waitpid(pid, 0)[1])
+            status = os.waitpid(pid, 0)[1]
+            rank.clear()
+            send_msg(conn, status)
             os._exit(0)
-        if not conn.recv(1):  # the stub is gone: so is its rank
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os._exit(0)
+        if not conn.recv(1):  # the stub is gone: so is its rank (the finally of _monitor)
+            return
+
+
+def _die_with_parent() -> None:
+    """The kernel kills this process when its monitor ends, however it ends (PR_SET_PDEATHSIG)."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the monitor ended before the request
+        os._exit(1)
 
 
 def _become_rank(argv: list[str], env: dict, cwd: str, fds: list[int]) -> None:
