@@ -21,6 +21,8 @@ What a fresh interpreter has that a fork would not, kept:
   a job iterate sets and dicts of strings in different orders, as fresh processes do (a rank-dependent order
   is a bug this suite must be able to see);
 - its own `random` state, re-seeded in each rank;
+- a fork that is safe: the server serves only while it is one thread without a CUDA context (it exits
+  otherwise, and the ranks start fresh);
 - what is read from the environment at import (OMP_NUM_THREADS is read when torch loads): a stub whose
   variables of that kind (STARTUP_ENV) differ from the server's is refused and starts as before.
 """
@@ -97,6 +99,9 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # a venv without Horovod: its ranks import less
             importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if len(os.listdir("/proc/self/task")) > 1 or (torch is not None and torch.cuda.is_initialized()):
+        sys.exit("tests._zygote: the imports started a thread or a CUDA context, after which a fork is not safe")
     own_env = startup_env(dict(os.environ))
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
