@@ -52,10 +52,10 @@ def _through_zygote(base: str) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(slot_path(base, _rank()))
-    except OSError:  # no server (it was stopped, or failed to start): as before
+        send_msg(conn, (sys.argv, dict(os.environ), os.getcwd(), sys.executable), fds=(0, 1, 2))
+        got = recv_msg(conn)
+    except OSError:  # no server (stopped, or it failed to start), or it went before it forked: as before
         return
-    send_msg(conn, (sys.argv, dict(os.environ), os.getcwd(), sys.executable), fds=(0, 1, 2))
-    got = recv_msg(conn)
     if got is None or got[0] == REFUSED:
         return
     pid = got[0]

@@ -80,7 +80,8 @@ def recv_msg(sock: socket.socket, nfds: int = 0):
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    head = head + (_recv_exact(sock, 4 - len(head)) or b"") if head else head
+    if 0 < len(head) < 4:
+        head += _recv_exact(sock, 4 - len(head)) or b""
     data = _recv_exact(sock, struct.unpack("!I", head)[0]) if len(head) == 4 else None
     return None if data is None else (pickle.loads(data), list(fds))
 
@@ -104,6 +105,8 @@ def serve(path: str) -> None:
         sys.exit("tests._zygote: the imports started a thread or a CUDA context, after which a fork is not safe")
     own_env = startup_env(dict(os.environ))
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):  # left by a server killed while it started
+        os.unlink(path + ".tmp")
     server.bind(path + ".tmp")
     server.listen(64)
     os.rename(path + ".tmp", path)  # the harness waits for the socket's final name: ready

@@ -67,7 +67,7 @@ def job_env(np: int, env: dict | None = None) -> dict:
                      # two pytest workers run two jobs at once on few cores: a rank that busy-polls MPI
                      # while it waits takes the core its peer needs (4x slower steps, measured)
                      "OMPI_MCA_mpi_yield_when_idle": "1"})
-    base = _warm_servers(np, dict(full_env))
+    base = _warm.base(np, dict(full_env))
     if base:
         full_env["HVDTG_ZYGOTE"] = base
     full_env.update(env or {})
@@ -110,50 +110,57 @@ def run_ranks(target: str, np: int, timeout: float = 60.0, args: tuple = (), lau
         shutil.rmtree(work, ignore_errors=True)
 
 
-_servers: dict[int, subprocess.Popen] = {}  # rank index -> its warm server (tests._zygote), this process's
-_server_dir: list[str] = []  # the folder of their sockets, once made
-_server_env: dict[str, str] = {}  # the variables read at start (tests._zygote.startup_env) they were started with
+class _WarmServers:
+    """This process's warm servers (tests._zygote), one per rank index, started on first use."""
+
+    __slots__ = ("procs", "folder", "env", "failed")
+
+    def __init__(self):
+        self.procs: dict[int, subprocess.Popen] = {}  # rank index -> its server
+        self.folder: str | None = None  # the folder of their sockets, made on first use
+        self.env: dict[str, str] = {}  # the variables read at start (tests._zygote.startup_env) they started with
+        self.failed = False  # a server exited before it was ready: the ranks of this process start fresh
+
+    def base(self, np: int, env: dict) -> str | None:
+        """The base of the sockets of servers for ranks 0..np-1, started where missing and waited for; None
+        where HVDTG_TEST_ZYGOTE=0 or a server did not come up (ranks then start fresh)."""
+        from tests._zygote import SLOTS, slot_path, startup_env
+
+        if self.failed or os.environ.get("HVDTG_TEST_ZYGOTE", "1") == "0":
+            return None
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="hvdtg-z-")
+            atexit.register(self.stop, remove=True)
+        base = os.path.join(self.folder, "s")
+        if startup_env(env) != self.env:  # a rank forked from these could not take this environment: anew
+            self.stop()
+            self.env = startup_env(env)
+        for slot in range(min(np, SLOTS)):
+            if slot not in self.procs or self.procs[slot].poll() is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slot_path(base, slot))
+                self.procs[slot] = subprocess.Popen(
+                    [sys.executable, "-m", "tests._zygote", slot_path(base, slot)], cwd=ROOT, env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        for slot in range(min(np, SLOTS)):
+            while not os.path.exists(slot_path(base, slot)):
+                if self.procs[slot].poll() is not None or time.monotonic() > deadline:
+                    self.failed = True
+                    return None
+                time.sleep(0.05)
+        return base
+
+    def stop(self, remove: bool = False) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+        self.procs.clear()
+        if remove and self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _warm_servers(np: int, env: dict) -> str | None:
-    """The base of the sockets of warm servers for ranks 0..np-1 (tests._zygote), started on first use and
-    waited for; None where HVDTG_TEST_ZYGOTE=0 or a server does not come up (ranks then start fresh)."""
-    from tests._zygote import SLOTS, slot_path, startup_env
-
-    if os.environ.get("HVDTG_TEST_ZYGOTE", "1") == "0":
-        return None
-    if not _server_dir:
-        _server_dir.append(tempfile.mkdtemp(prefix="hvdtg-z-"))
-        atexit.register(_stop_servers)
-    base = os.path.join(_server_dir[0], "s")
-    wanted = startup_env(env)
-    if _servers and wanted != _server_env:  # a rank forked from them could not take this environment: anew
-        _stop_servers(keep_dir=True)
-    _server_env.clear()
-    _server_env.update(wanted)
-    for slot in range(min(np, SLOTS)):
-        if slot not in _servers or _servers[slot].poll() is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(slot_path(base, slot))
-            _servers[slot] = subprocess.Popen([sys.executable, "-m", "tests._zygote", slot_path(base, slot)],
-                                              cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    for slot in range(min(np, SLOTS)):
-        while not os.path.exists(slot_path(base, slot)):
-            if _servers[slot].poll() is not None or time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-    return base
-
-
-def _stop_servers(keep_dir: bool = False) -> None:
-    for proc in _servers.values():
-        proc.kill()
-        proc.wait()
-    _servers.clear()
-    if not keep_dir:
-        shutil.rmtree(_server_dir[0], ignore_errors=True)
+_warm = _WarmServers()
 
 
 def run_ranks_failing(target: str, np: int, within: float, args: tuple = (), timeout: float = 90.0) -> str:
