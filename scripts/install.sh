@@ -14,7 +14,7 @@
 #
 # Environment:
 #   HVD_TERNGRAD_VENV    virtual environment (default: <repo>/.venv)
-#   HVD_TERNGRAD_CACHE   wheel cache shared between clones (default: ~/.cache/hvd_terngrad)
+#   HVD_TERNGRAD_CACHE   wheels and built extensions shared between clones (default: ~/.cache/hvd_terngrad)
 #   HVD_TERNGRAD_PYTHON  interpreter that creates the venv (default: python3)
 #   HVD_TERNGRAD_TORCH_INDEX  a pip index for torch (e.g. the CPU wheel index in docker/Dockerfile.cpu)
 #   HVD_TERNGRAD_WHEELS  a folder with the torch wheel and a Horovod wheel to install instead of the index's
@@ -221,7 +221,9 @@ check_package() {
 }
 do_package() {
   # pip's editable install builds csrc/ into the tree; build_ext only where what it left does not load (a
-  # second build compiled everything again: 24 s)
+  # second build compiled everything again: 24 s). An extension built before from the same inputs, by any
+  # clone, comes from the cache (setup.py, ParallelBuildExt.build_extension).
+  export HVD_TERNGRAD_BUILD_CACHE=$CACHE/extensions
   (cd "$ROOT" && "$PY" -m pip install --no-build-isolation --no-deps -e . &&
     { loads_package || "$PY" setup.py build_ext --inplace; })
   src_stamp >"$ROOT/build/.csrc-stamp"
