@@ -47,15 +47,21 @@ class ParallelBuildExt(BuildExtension.with_options(use_ninja=False) if BuildExte
         if os.path.exists(cached):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
             shutil.copyfile(cached, target)
-            os.utime(cached)  # recently used: kept longest (prune_cache)
+            with contextlib.suppress(OSError):  # a cache it may only read
+                os.utime(cached)  # recently used: kept longest (prune_cache)
             print(f"{ext.name}: from the build cache ({cached})")
             return None
         super().build_extension(ext)
-        os.makedirs(folder, exist_ok=True)
         partial = f"{cached}.{os.getpid()}.tmp"
-        shutil.copyfile(target, partial)
-        os.replace(partial, cached)  # whole or absent, for a build running beside this one
-        prune_cache(folder, ext.name)
+        try:  # a cache that cannot take it (read-only, full) leaves the build as it is
+            os.makedirs(folder, exist_ok=True)
+            shutil.copyfile(target, partial)
+            os.replace(partial, cached)  # whole or absent, for a build running beside this one
+            prune_cache(folder, ext.name)
+        except OSError as exc:
+            print(f"{ext.name}: not stored in the build cache: {exc}")
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
         return None
 
 
