@@ -132,9 +132,10 @@ class _WarmServers:
             self.folder = tempfile.mkdtemp(prefix="hvdtg-z-")
             atexit.register(self.stop, remove=True)
         base = os.path.join(self.folder, "s")
-        if startup_env(env) != self.env:  # a rank forked from these could not take this environment: anew
+        wanted = startup_env(env)
+        if wanted != self.env:  # a rank forked from these could not take this environment: anew
             self.stop()
-            self.env = startup_env(env)
+            self.env = wanted
         for slot in range(min(np, SLOTS)):
             if slot not in self.procs or self.procs[slot].poll() is not None:
                 with contextlib.suppress(FileNotFoundError):
