@@ -6,15 +6,18 @@ times: where a front end's own time goes, beside Horovod's and DDP's FP32.
 
 Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
 tensor left in float, nothing coded (the front end's own cost), and `ddp:python`: DDP FP32 through torch's own
-Python `allreduce_hook` (what any Python hook costs against DDP's C++ allreduce). Two suffixes on a Horovod
-TernGrad method (or `float`) take one of its costs away, to measure it, not to train with: `+unchecked` leaves
+Python `allreduce_hook` (what any Python hook costs against DDP's C++ allreduce). Three suffixes on a Horovod
+TernGrad method (or `float`) change one of its costs, to measure it, not to train with: `+unchecked` leaves
 its float averages unchecked (on_nonfinite="propagate"), `+naps` makes its waits nap 1 ms between polls from
-the start, as hvd.synchronize() does, where they spin first (hvd_terngrad.collectives). A method named twice
-runs twice; `fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them
-side by side in one job, each order both ways. --uncoded fp32|fp16 puts transport="auto"'s plan with every
-group uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside
-Horovod's fp16 or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per
-rank; the median is over all but the first --warmup (50). Rank 0 prints a line per method.
+the start, and `+spins` makes them spin to the end, as hvd.synchronize() does, where they spin 20 ms and then
+nap (hvd_terngrad.collectives). A method named twice runs twice;
+`fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them side by
+side in one job, each order both ways. --interleave builds every method first and then takes one step of each
+in turn, so that the machine's drift over a job (its steps moved by 10-20% between methods run one after
+another) falls on every method alike. --uncoded fp32|fp16 puts transport="auto"'s plan with every group
+uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside Horovod's fp16
+or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per rank; the median
+is over all but the first --warmup (50). Rank 0 prints a line per method.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-SUFFIXES = ("+unchecked", "+naps")
+SUFFIXES = ("+unchecked", "+naps", "+spins")
 EXTRA = ("float", "ddp:python")  # the methods this probe adds to hvd_terngrad.methods
 
 
@@ -83,15 +86,19 @@ def check_methods(methods: list[str]) -> None:
 
 @contextmanager
 def _waits(method: str):
-    """With +naps, hvd_terngrad's waits nap 1 ms between polls from the first poll on (hvd.synchronize()'s
-    way), for this method's steps."""
+    """For this method's steps: with +naps, hvd_terngrad's waits nap 1 ms between polls from the first poll on;
+    with +spins, they spin to the end (hvd.synchronize()'s way)."""
     import hvd_terngrad.collectives as coll
 
-    if "+naps" not in _suffixes(method)[1]:
+    suffixes = _suffixes(method)[1]
+    if "+naps" not in suffixes and "+spins" not in suffixes:
         yield
         return
     saved = coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S
-    coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S = 0.0, 1, 1e-9, 1e-3
+    if "+naps" in suffixes:
+        coll._SPIN_S, coll._POLLS_PER_CLOCK, coll._NAP_FRACTION, coll._NAP_MAX_S = 0.0, 1, 1e-9, 1e-3
+    else:
+        coll._SPIN_S = float("inf")
     try:
         yield
     finally:
@@ -130,12 +137,58 @@ def _force_uncoded(wire: str) -> None:
     auto.AutoPlan._plan = plan
 
 
+class _Run:
+    """One method's model, optimizer and step times."""
+
+    def __init__(self, method: str, data, hvd):
+        import torch
+
+        torch.manual_seed(0)
+        model = data.model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.method, self.data = method, data
+        self.net, self.opt, self.tg = build(method, model, data)
+        self.times, self.cpu = [], []
+
+    def step(self, idx) -> None:
+        with _waits(self.method):
+            t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
+            self.opt.zero_grad()
+            self.data.loss(self.net, idx).backward()
+            self.opt.step()
+            self.times.append(time.perf_counter() - t0)
+            self.cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
+
+    def report(self, args) -> str:
+        """Rank 0's line: the step's median, mean and tail past the warm-up, its CPU, and TernGrad's phases."""
+        steps, cpus = self.times[args.warmup:], self.cpu[args.warmup:]  # past the first steps' warm-up
+        q = statistics.quantiles(steps, n=100)
+        line = (f"{args.task} {self.method}: median step {1e3 * statistics.median(steps):.2f} ms, mean "
+                f"{1e3 * statistics.mean(steps):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
+                f"CPU a step {1e3 * statistics.mean(c[0] for c in cpus):.2f} ms in the training thread, "
+                f"{1e3 * statistics.mean(c[1] for c in cpus):.2f} ms in the process")
+        stats = getattr(self.tg, "stats", None)
+        if stats is not None and stats.history:
+            h = stats.history[-len(steps):]  # the same steps (the history keeps the last 1,000)
+            line += "; TernGrad's encode / waits / decode " + " / ".join(
+                f"{1e3 * statistics.mean(getattr(s, k) for s in h):.2f}" for k in
+                ("time_encode", "time_comm", "time_decode")) + " ms"
+        auto = getattr(getattr(self.tg, "pipeline", None), "auto", None)
+        if auto is not None:
+            line += f"; auto {auto.summary()}"
+        if getattr(self.tg, "native", False):
+            line += "; the DDP hook's C++ path"
+        return line
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="ncf", help="a fidelity-suite task, or `wide` (Wide)")
     ap.add_argument("--methods", default="fp32,float,terngrad:auto")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=50, help="the first steps, left out of every figure")
+    ap.add_argument("--interleave", action="store_true", help="build every method first, then take one step "
+                    "of each in turn: the machine's drift over a job then falls on all of them alike")
     ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
@@ -166,42 +219,16 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
     data = Wide() if args.task == "wide" else Data(TASKS[args.task])
     idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
-    for method in methods:
-        torch.manual_seed(0)
-        model = data.model()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        net, opt, tg = build(method, model, data)
-        times, cpu = [], []
-        with _waits(method):
-            for _ in range(args.steps):
-                t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
-                opt.zero_grad()
-                data.loss(net, idx).backward()
-                opt.step()
-                times.append(time.perf_counter() - t0)
-                cpu.append((time.thread_time() - c0[0], time.process_time() - c0[1]))
-        steps, cpus = times[args.warmup:], cpu[args.warmup:]  # past the first steps' warm-up
-        q = statistics.quantiles(steps, n=100)
-        line = (f"{args.task} {method}: median step {1e3 * statistics.median(steps):.2f} ms, mean "
-                f"{1e3 * statistics.mean(steps):.2f} ms, p90 / p99 {1e3 * q[89]:.2f} / {1e3 * q[98]:.2f} ms; "
-                f"CPU a step {1e3 * statistics.mean(c[0] for c in cpus):.2f} ms in the training thread, "
-                f"{1e3 * statistics.mean(c[1] for c in cpus):.2f} ms in the process")
-        stats = getattr(tg, "stats", None)
-        if stats is not None and stats.history:
-            h = stats.history[-len(steps):]  # the same steps (the history keeps the last 1,000)
-            line += "; TernGrad's encode / waits / decode " + " / ".join(
-                f"{1e3 * statistics.mean(getattr(s, k) for s in h):.2f}" for k in
-                ("time_encode", "time_comm", "time_decode")) + " ms"
-        auto = getattr(getattr(tg, "pipeline", None), "auto", None)
-        if auto is not None:
-            line += f"; auto {auto.summary()}"
-        if getattr(tg, "native", False):
-            line += "; the DDP hook's C++ path"
+    for group in [methods] if args.interleave else [[method] for method in methods]:
+        runs = [_Run(method, data, hvd) for method in group]
+        for _ in range(args.steps):
+            for run in runs:  # interleaved: one step of each method in turn
+                run.step(idx)
         if hvd.rank() == 0:
-            print(line, flush=True)
-        del net, opt, tg
+            print("\n".join(run.report(args) for run in runs), flush=True)
+        del runs  # DDP modules before their process group (an abort at exit otherwise)
     dist.barrier()
-    gc.collect()  # DDP modules before their process group (an abort at exit otherwise)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -217,7 +217,7 @@ def body_late_rank(front):
 
 @pytest.mark.parametrize("front", ["hvd_terngrad"])
 def test_a_long_wait_sleeps_instead_of_spinning(front):
-    """A wait past its first millisecond leaves the core to other work (ranks sharing it, data loaders). (With
+    """A wait past its first 20 ms leaves the core to other work (ranks sharing it, data loaders). (With
     the stock optimizer the long wait is Horovod's own, in its synchronize(): compress() never waits.)"""
     res = run_ranks("tests.test_edge_cases:body_late_rank", np=2, timeout=120, args=(front,))
     wall, cpu = res[0]

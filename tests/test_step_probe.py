@@ -1,5 +1,5 @@
-"""benchmarks.step_probe's probe-only suffixes: what they accept, and that +naps changes the waits for its own
-method only."""
+"""benchmarks.step_probe's probe-only suffixes: what they accept, and that +naps and +spins change the waits
+for their own method only."""
 import pytest
 
 import hvd_terngrad.collectives as coll
@@ -27,7 +27,7 @@ def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
         step_probe.main(["--steps", "51"])
 
 
-def test_naps_nap_a_millisecond_from_the_first_poll_for_their_method_only():
+def test_naps_nap_a_millisecond_from_the_first_poll_and_spins_spin_to_the_end_for_their_method_only():
     before = _waits()
     with step_probe._waits("terngrad:auto"):
         assert _waits() == before
@@ -35,6 +35,9 @@ def test_naps_nap_a_millisecond_from_the_first_poll_for_their_method_only():
         spin, polls, fraction, nap = _waits()
         assert (spin, polls, nap) == (0.0, 1, 1e-3) and fraction < 1e-6  # min(waited / fraction, 1 ms): 1 ms
         raise RuntimeError("a step that fails still puts the waits back")
+    assert _waits() == before
+    with step_probe._waits("terngrad:auto+spins"):
+        assert _waits()[0] == float("inf") and _waits()[1:] == before[1:]  # the bound is still read
     assert _waits() == before
 
 

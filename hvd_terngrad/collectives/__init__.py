@@ -65,15 +65,16 @@ class Collectives(Protocol):
         """The collective's result, at most timeout_s: then CollectiveTimeoutError naming `what`."""
 
 
-# Waiting polls. For its first _SPIN_S it yields the core between polls (hvd.synchronize() sleeps 1 ms between
-# its polls instead): a step's short waits (latency, a few milliseconds) end as soon as they can; a nap in
-# them ends them late, by up to the nap (measured: docs/time-to-accuracy.md, "Auto on the emulated
-# cluster"). A longer wait is bytes on the wire, or a peer that never comes; spinning through it takes a core
-# that other ranks sharing it, or data loaders, could compute on. So it then sleeps between polls, at most
-# 1/_NAP_FRACTION of the time waited so far and _NAP_MAX_S, which ends it at most that late. The clock is read
-# every _POLLS_PER_CLOCK polls.
+# Waiting polls. For its first _SPIN_S it yields the core between polls, as hvd.synchronize() does throughout
+# (Horovod 0.28.1's wait loops on a yield, with no sleep): a step's waits (latency, a few milliseconds, or the
+# ranks that share a core finishing their backward, 10-12 ms on lenet with four nodes on two cores) end as soon
+# as they can; a nap in them ends them late, by up to the nap. A longer wait is a late peer, or one that never
+# comes; spinning through it takes a core that other ranks sharing it, or data loaders, could compute on. So it
+# then sleeps between polls, at most 1/_NAP_FRACTION of the time waited so far and _NAP_MAX_S, which ends it at
+# most that late. Spinning 5 ms, auto's fp32 plan on lenet stepped behind Horovod FP32; 20 ms brought it level
+# (measured: docs/time-to-accuracy.md, "Waits that spin 20 ms"). The clock is read every _POLLS_PER_CLOCK polls.
 _POLLS_PER_CLOCK = 64
-_SPIN_S = 5e-3
+_SPIN_S = 20e-3
 _NAP_FRACTION = 8
 _NAP_MAX_S = 5e-4
 
