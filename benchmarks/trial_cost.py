@@ -3,6 +3,7 @@ are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchan
 
     python -m benchmarks.trial_cost --task ncf --seeds 0-15 --workers 4      # about 6 min, on one core
     python -m benchmarks.trial_cost --task ncf --seeds 0-47 --jobs 2         # the seeds in 2 processes
+    python -m benchmarks.trial_cost --task ncf --seeds 0-15 --jobs 2 --offset 92   # the trial 92 steps later
 
 Auto codes its first steps (to measure the codec) and the coded turns of its trial, then keeps what was fastest.
 On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
@@ -10,7 +11,10 @@ coded steps do to the model. Here all the other steps are FP32 (the trial's fp16
 stays within fp16's rounding of FP32's), and the coded steps are the paper's TernGrad, as `terngrad:auto`
 codes them. Each run evaluates 8 times an epoch, as benchmarks.time_to_accuracy does; the target is the FP32
 runs' mean final metric less 0.5 pp. Prints, per seed, the step at which each reached it, and how many seeds
-reached it later or sooner with the trial.
+reached it later or sooner with the trial; then the mean over the seeds of the trial's metric less FP32's at
+each of the first evaluations, where a dip shows even when it has healed before the target. --offset moves
+the trial's coded steps that many steps later (the steps before them FP32), to measure a trial that starts
+once training has settled.
 """
 from __future__ import annotations
 
@@ -57,9 +61,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="0-15", help="first-last")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=1, help="processes, a seed each at a time")
+    ap.add_argument("--offset", type=int, default=0, help="the trial's coded steps this many steps later")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
-    seeds, coded = range(first, last + 1), coded_steps()
+    seeds, coded = range(first, last + 1), {s + args.offset for s in coded_steps()}
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
     todo = [(args.task, s, args.workers, coded) for s in seeds]
     if args.jobs > 1:
@@ -83,6 +88,17 @@ def main(argv=None) -> None:
     print(f"target {target:.2f}: with the trial coded, later on {later} seeds, sooner on {sooner}, of {len(curves)}; "
           f"median steps {statistics.median(reached(f) for f, _ in curves.values())} (FP32), "
           f"{statistics.median(reached(t) for _, t in curves.values())} (trial coded)")
+    print("trial coded less FP32, mean over the seeds, at each evaluation's step: " + mean_gap(curves.values()))
+
+
+def mean_gap(pairs, evaluations: int = 10) -> str:
+    """The mean of (trial's metric - FP32's) over the (FP32 curve, trial curve) pairs at each of the first
+    evaluations, as "step:difference" in pp."""
+    gaps: dict[int, list[float]] = {}
+    for fp32, trial in pairs:
+        for (step, a), (_, b) in zip(fp32[:evaluations], trial[:evaluations]):
+            gaps.setdefault(step, []).append(b - a)
+    return " ".join(f"{step}:{statistics.mean(g):+.2f}" for step, g in sorted(gaps.items()))
 
 
 if __name__ == "__main__":

@@ -140,3 +140,13 @@ def test_the_trial_cost_benchmark_codes_the_steps_auto_codes():
     rounds = [PLAN_STEP + r * kinds + (kinds - 1 if r % 2 else 0) for r in range(2 * TRIAL_PAIRS)]
     verdict = PLAN_STEP + 2 * TRIAL_PAIRS * kinds
     assert coded_steps() == set(range(PLAN_STEP)) | set(rounds) | {verdict}
+
+
+def test_the_trial_cost_benchmark_averages_the_gap_at_each_evaluation():
+    """mean_gap: the trial's metric less FP32's at each evaluation, averaged over the seeds, the first ten only."""
+    from benchmarks.trial_cost import mean_gap
+
+    fp32 = [(s, 40.0 + s / 46) for s in range(0, 46 * 12, 46)]
+    dipped = [(s, m - (2.0 if s == 92 else 0.0)) for s, m in fp32]
+    gap = mean_gap([(fp32, dipped), (fp32, fp32)])
+    assert gap.split()[:3] == ["0:+0.00", "46:+0.00", "92:-1.00"] and len(gap.split()) == 10, gap
