@@ -67,7 +67,7 @@ class Collectives(Protocol):
 
 # Waiting polls. For its first _SPIN_S it yields the core between polls, as hvd.synchronize() does throughout
 # (Horovod 0.28.1's wait loops on a yield, with no sleep): a step's waits (latency, a few milliseconds, or the
-# ranks that share a core finishing their backward, 10-12 ms on lenet with four nodes on two cores) end as soon
+# ranks that share a core finishing their backward, 8-12 ms on lenet with four nodes on two cores) end as soon
 # as they can; a nap in them ends them late, by up to the nap. A longer wait is a late peer, or one that never
 # comes; spinning through it takes a core that other ranks sharing it, or data loaders, could compute on. So it
 # then sleeps between polls, at most 1/_NAP_FRACTION of the time waited so far and _NAP_MAX_S, which ends it at
