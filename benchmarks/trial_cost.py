@@ -14,7 +14,7 @@ runs' mean final metric less 0.5 pp. Prints, per seed, the step at which each re
 reached it later or sooner with the trial; then the mean over the seeds of the trial's metric less FP32's at
 each of the first evaluations, where a dip shows even when it has healed before the target. --offset moves
 the trial's coded steps that many steps later (the steps before them FP32), to measure a trial that starts
-once training has settled.
+once training has settled; --measured-in-fp32 leaves the first PLAN_STEP steps, which measure the codec, in FP32.
 """
 from __future__ import annotations
 
@@ -62,9 +62,12 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=1, help="processes, a seed each at a time")
     ap.add_argument("--offset", type=int, default=0, help="the trial's coded steps this many steps later")
+    ap.add_argument("--measured-in-fp32", action="store_true", help="the measured steps (the first PLAN_STEP) "
+                    "in FP32: a trial that measures the codec without sending its codes")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
-    seeds, coded = range(first, last + 1), {s + args.offset for s in coded_steps()}
+    coded = {s for s in coded_steps() if not (args.measured_in_fp32 and s < PLAN_STEP)}
+    seeds, coded = range(first, last + 1), {s + args.offset for s in coded}
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
     todo = [(args.task, s, args.workers, coded) for s in seeds]
     if args.jobs > 1:
