@@ -66,8 +66,8 @@ def main(argv=None) -> None:
                     "in FP32: a trial that measures the codec without sending its codes")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
-    coded = {s for s in coded_steps() if not (args.measured_in_fp32 and s < PLAN_STEP)}
-    seeds, coded = range(first, last + 1), {s + args.offset for s in coded}
+    seeds = range(first, last + 1)
+    coded = {s + args.offset for s in coded_steps() if not (args.measured_in_fp32 and s < PLAN_STEP)}
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
     todo = [(args.task, s, args.workers, coded) for s in seeds]
     if args.jobs > 1:
