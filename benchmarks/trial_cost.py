@@ -5,7 +5,8 @@ are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchan
     python -m benchmarks.trial_cost --task ncf --seeds 0-47 --jobs 2         # the seeds in 2 processes
     python -m benchmarks.trial_cost --task ncf --seeds 0-15 --jobs 2 --offset 92   # the trial 92 steps later
 
-Auto codes its first steps (to measure the codec) and the coded turns of its trial, then keeps what was fastest.
+Auto codes the coded turns of its trial and its verdict's step, then keeps what was fastest (its first PLAN_STEP
+steps, which measure the codec, send FP32).
 On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
 coded steps do to the model. Here all the other steps are FP32 (the trial's fp16 steps too: their scaled average
 stays within fp16's rounding of FP32's), and the coded steps are the paper's TernGrad, as `terngrad:auto`
@@ -14,7 +15,8 @@ runs' mean final metric less 0.5 pp. Prints, per seed, the step at which each re
 reached it later or sooner with the trial; then the mean over the seeds of the trial's metric less FP32's at
 each of the first evaluations, where a dip shows even when it has healed before the target. --offset moves
 the trial's coded steps that many steps later (the steps before them FP32), to measure a trial that starts
-once training has settled; --measured-in-fp32 leaves the first PLAN_STEP steps, which measure the codec, in FP32.
+once training has settled; --measured-coded codes the first PLAN_STEP steps too, as auto did before it rehearsed
+the codec on FP32 steps (hvd_terngrad.pipeline.Pipeline.rehearse).
 """
 from __future__ import annotations
 
@@ -31,13 +33,13 @@ from hvd_terngrad.auto import PLAN_STEP, AutoPlan
 from hvd_terngrad.transports.uncoded import WIRES
 
 
-def coded_steps() -> set[int]:
+def coded_steps(measured_coded: bool = False) -> set[int]:
     """The steps auto codes every group on, where the model leaves every group uncoded and it tries its plan in
-    each wire (AutoPlan: the measured steps, the trial's coded turns, the verdict step)."""
+    each wire (AutoPlan: the trial's coded turns, the verdict step; measured_coded: the measured steps too)."""
     auto = AutoPlan()
     auto.trials = [(set(), None, wire) for wire in WIRES]
     return {s for s in range(auto.verdict_step + 1)
-            if s < PLAN_STEP or s == auto.verdict_step or auto._kind(s) == 0}
+            if (measured_coded and s < PLAN_STEP) or s == auto.verdict_step or auto._kind(s) == 0}
 
 
 def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int, float]]:
@@ -62,12 +64,12 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=1, help="processes, a seed each at a time")
     ap.add_argument("--offset", type=int, default=0, help="the trial's coded steps this many steps later")
-    ap.add_argument("--measured-in-fp32", action="store_true", help="the measured steps (the first PLAN_STEP) "
-                    "in FP32: a trial that measures the codec without sending its codes")
+    ap.add_argument("--measured-coded", action="store_true", help="the measured steps (the first PLAN_STEP) "
+                    "coded too, as auto coded them before it rehearsed the codec on FP32 steps")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
     seeds = range(first, last + 1)
-    coded = {s + args.offset for s in coded_steps() if not (args.measured_in_fp32 and s < PLAN_STEP)}
+    coded = {s + args.offset for s in coded_steps(args.measured_coded)}
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
     todo = [(args.task, s, args.workers, coded) for s in seeds]
     if args.jobs > 1:

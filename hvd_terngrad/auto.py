@@ -18,14 +18,17 @@ group uncoded where FP32's average hides, so as far as the model goes never slow
 coded cost is not below their uncoded cost are never coded. The performance model's extrapolation
 (benchmarks/perf_model.py) applies the same `plan`.
 
-Measuring and agreeing, with no collective of its own (the steps: AutoPlan's docstring):
-- For PLAN_STEP steps every group is coded (the wire choice, as before). On the steps after the first (which
-  warms up allocations) each rank measures its codec seconds per element (the stats' encode and decode time
-  over the elements it coded), its window (the first group ready to the last group ready, less its own coding
-  in between where that ran on the same thread).
-- On the last of those steps each coded group's scaler Max allreduce carries two more values, [seconds per
-  element, -window] (docs/wire-format.md, section 9): every rank reads the slowest codec and the shortest
-  window, and makes the same plan.
+Measuring and agreeing (the steps: AutoPlan's docstring):
+- For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding: the group coded as it
+  would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
+  (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF
+  1.2-3.4 pp for a hundred steps, and its time to the target (measured: docs/time-to-accuracy.md, "NCF's later
+  hits under `auto`"). On the steps after the first (which warms up allocations) each rank measures its codec
+  seconds per element (the rehearsals' encode and decode time over the elements coded) and its window (the
+  first group ready to the last group ready, less its own rehearsals in between where they ran on the same
+  thread).
+- On the last of those steps each group's average goes with a Max allreduce of two values, [seconds per
+  element, -window]: every rank reads the slowest codec and the shortest window, and makes the same plan.
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
   each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
@@ -51,7 +54,7 @@ Measuring and agreeing, with no collective of its own (the steps: AutoPlan's doc
   docs/time-to-accuracy.md, "Auto on the emulated cluster".
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; while a plan that
 leaves groups uncoded is in force, a group it has not seen goes uncoded too. Without a shared scaler
-(share_scaler=False) nothing carries the measurement, and auto keeps coding every group.
+(share_scaler=False) no scaler vector carries the verdict, and auto codes every group from the start.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ from hvd_terngrad.commcost import Link, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.transports.uncoded import FP32, WIRES
 
-PLAN_STEP = 4  # steps coded and measured before the plan; the last of them carries the measurement
+PLAN_STEP = 4  # steps sent in fp32 and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
 
@@ -109,9 +112,10 @@ def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, lin
 class AutoPlan:
     """One rank's measurement, plans and verdict for transport="auto" (module docstring). Its steps:
 
-        0                   coded (allocations warm up)
-        1 .. PLAN_STEP-2    coded; codec seconds per element and the window measured
-        PLAN_STEP-1         coded; the scaler vectors carry [seconds per element, -window]; the plans to try
+        0                   fp32, coding rehearsed (allocations warm up)
+        1 .. PLAN_STEP-2    fp32, coding rehearsed; codec seconds per element and the window measured
+        PLAN_STEP-1         fp32, coding rehearsed; a Max allreduce beside each group's average carries
+                            [seconds per element, -window]; the plans to try
         2 * TRIAL_PAIRS     rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
                             _turns; the second round of a pair the other way round), every step timed
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
@@ -163,7 +167,7 @@ class AutoPlan:
 
     @property
     def carrying(self) -> bool:
-        """Whether this step's scaler vectors carry a measurement."""
+        """Whether this step's groups carry a measurement (in their scaler vectors on the verdict's step)."""
         return self.steps in (PLAN_STEP - 1, self.verdict_step)
 
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
@@ -192,8 +196,8 @@ class AutoPlan:
             self.agreed = (values[0], -values[1])
 
     def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
-        """The end of a step (codec_s: its encode + decode seconds): its measurement, the plan in force next,
-        or the verdict. now: the time (tests)."""
+        """The end of a step (codec_s: its rehearsals' encode + decode seconds): its measurement, the plan in
+        force next, or the verdict. now: the time (tests)."""
         if self.decided:
             return
         now = time.perf_counter() if now is None else now

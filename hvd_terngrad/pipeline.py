@@ -24,12 +24,13 @@ import warnings
 
 import torch
 
-from hvd_terngrad.auto import AutoPlan
+from hvd_terngrad.auto import PLAN_STEP, AutoPlan
 from hvd_terngrad.coder import Coder, Item
 from hvd_terngrad.collectives import Collectives
+from hvd_terngrad.collectives.loopback import MirrorCollectives
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import PayloadMismatchError
-from hvd_terngrad.transports import resolve_transport
+from hvd_terngrad.transports import TRANSPORTS, resolve_transport
 from hvd_terngrad.transports.uncoded import UNCODED
 from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
 
@@ -55,8 +56,8 @@ class Stage(enum.Enum):
 class Group:
     """One group of tensors of one step on this rank, on its way through the pipeline."""
 
-    __slots__ = ("key", "items", "what", "stage", "send_when_shared", "scaler_handle", "carries", "transport",
-                 "handle")
+    __slots__ = ("key", "items", "what", "stage", "send_when_shared", "scaler_handle", "carries", "carrier",
+                 "transport", "handle")
 
     def __init__(self, key: str, items: list[Item], what: str, send_when_shared: bool):
         self.key = key  # names its collectives, the same on every rank; keys a sharded-ternary owner's draw
@@ -66,6 +67,7 @@ class Group:
         self.send_when_shared = send_when_shared  # start the transport as soon as the scalers are shared
         self.scaler_handle = None  # the scaler Max allreduce(s): (per tensor, block scalers or None)
         self.carries = 0  # the values of transport="auto"'s measurement its scaler vector carries (auto)
+        self.carrier = None  # an fp32 group of auto's measured steps: the Max allreduce carrying the measurement
         self.transport = None
         self.handle = None  # of the transport's collectives
 
@@ -76,13 +78,17 @@ class Pipeline:
     Horovod) may be chosen; the stock compressor cannot wait in order and says no."""
 
     def __init__(self, config: TernGradConfig, comm: Collectives, rank: int | None = None, size: int | None = None,
-                 blocking_ok: bool = True):
+                 blocking_ok: bool = True, rehearsal: bool = False):
         self.config = config
         self.comm = comm
         self.coder = Coder(config, comm.rank if rank is None else rank, comm.size if size is None else size)
         self.blocking_ok = blocking_ok
-        self.auto = AutoPlan() if config.transport == "auto" else None  # which groups to code, once measured
-        self.link = config.link() if self.auto is not None else None  # what auto plans for (read once)
+        # a rehearsal's pipeline (rehearse) has no plan of its own, and sends each group in one collective
+        self.rehearsing = rehearsal
+        self.auto = AutoPlan() if config.transport == "auto" and not rehearsal else None  # once measured: what to code
+        self.link = config.link() if config.transport == "auto" else None  # what auto plans for (read once)
+        self.rehearsal: Pipeline | None = None  # auto's measured steps: this rank's coding, rehearsed (rehearse)
+        self.rehearsed_s = 0.0  # the rehearsals' encode + decode seconds this step
         comm.stats = self.coder.stats  # the waits count into this rank's stats
 
     @property
@@ -114,9 +120,38 @@ class Pipeline:
 
     def next_step(self) -> None:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
-            cur = self.stats.current
-            self.auto.step_done(cur.time_encode + cur.time_decode, self.size, self.link, self.blocking_ok)
+            self.auto.step_done(self.rehearsed_s, self.size, self.link, self.blocking_ok)
+            self.rehearsed_s = 0.0
+            if not self.measuring():
+                self.rehearsal = None  # its error feedback's copies of the gradients go
         self.coder.next_step()
+
+    def measuring(self) -> bool:
+        """Whether this step is one of transport="auto"'s measured steps, which send every group in fp32 and
+        rehearse its coding (rehearse). Without a shared scaler, whose vectors carry the trial's verdict, auto
+        codes every group from the start."""
+        return self.auto is not None and self.auto.steps < PLAN_STEP and self.config.share_scaler
+
+    def rehearse(self, key: str, named: list[tuple[str, torch.Tensor]], ready: float | None) -> None:
+        """A group of auto's measured steps, coded here as it would travel, before its fp32 average: over
+        MirrorCollectives, with the model's transport (the allgather where that has owners' replies, which a
+        mirror answers with this rank's, another shard's codes) and error feedback of the rehearsal's own. Its
+        codes go nowhere, so what trains is FP32 (coded first steps cost NCF 1.5 pp for a hundred steps:
+        docs/time-to-accuracy.md). Auto learns the group's size, when it was ready and what coding it cost."""
+        r = self.rehearsal
+        if r is None:
+            r = self.rehearsal = Pipeline(self.config, MirrorCollectives(self.rank, self.size), rehearsal=True,
+                                          blocking_ok=self.blocking_ok)
+            r.coder.codec = self.coder.codec
+        r.coder.step = self.step
+        arrived, cur = time.perf_counter(), r.stats.current
+        before = cur.time_encode + cur.time_decode
+        g = r.start(key, named)
+        r.finish(g)
+        self.auto.arrived(key, sum(it.numel for it in g.items), len(g.items),
+                          sum(r.coder.scaler_bytes(it) for it in g.items), arrived if ready is None else ready,
+                          self.rehearsed_s if ready is None else None)
+        self.rehearsed_s += cur.time_encode + cur.time_decode - before
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this rank's TernGrad: the step (it keys every draw), the error-feedback
@@ -159,11 +194,17 @@ class Pipeline:
         this call, on another thread (auto measures the window backward leaves)."""
         what = what or f"{named[0][0]!r}" + (f" and {len(named) - 1} more" if len(named) > 1 else "")
         auto = self.auto
-        wire = self.uncoded(key)
+        measured = self.measuring()
+        wire = "fp32" if measured else self.uncoded(key)
         if wire:
+            if measured:
+                self.rehearse(key, named, ready)  # before the average: it reads the gradients
             g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
             t = g.transport = UNCODED[wire]
             g.stage, g.handle = Stage.SENDING, t.start(self.comm, t.encode(self.coder, g.items), key)
+            if measured and auto.carrying:
+                g.carrier = self.comm.max_allreduce_async(torch.tensor(auto.carried(), dtype=torch.float32),
+                                                          name=f"terngrad.auto.{key}")
             return g
         arrived, encoded = time.perf_counter(), self.stats.current.time_encode
         items = [self.coder.prepare(name, grad) for name, grad in named]
@@ -226,6 +267,8 @@ class Pipeline:
         configured = auto.transport if auto is not None and auto.transport else self.config.transport
         t = g.transport = resolve_transport(configured, sum(it.numel for it in g.items), self.size,
                                             int8=self.blocking_ok, link=self.link)
+        if self.rehearsing and t.reply_collective:  # a mirror answers other shards' owners with this rank's reply
+            t = g.transport = TRANSPORTS["allgather"]
         g.handle = t.start(self.comm, t.encode(self.coder, g.items), g.key)
         g.stage = Stage.SENDING
 
@@ -236,6 +279,10 @@ class Pipeline:
         if g.stage is not Stage.SENDING:
             self.send(g)
         received = g.transport.finish(self.comm, g.handle, g.what)
+        if g.carrier is not None:
+            carried = self.comm.wait(g.carrier, f"the measurement of transport='auto' beside {g.what}")
+            self.auto.agree(carried.cpu().tolist())
+            g.carrier = None
         g.stage = Stage.DONE
         if not decode:
             return None

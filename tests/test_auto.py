@@ -151,32 +151,42 @@ def _train(gbps, steps, nan_at=None, change=None, **options):
     return pipes, out
 
 
-def test_on_a_fast_link_auto_sends_the_float_average_after_measuring_and_every_rank_plans_alike(untried):
+def test_on_a_fast_link_auto_measures_in_fp32_then_sends_fp32_and_every_rank_plans_alike(untried):
+    """The measured steps send fp32 and rehearse the coding, whose error feedback is its own: every step's average
+    is Horovod's float average bit for bit, no residual is left, and every rank agrees on the codec's seconds."""
     pipes, out = _train(1000.0, PLAN_STEP + 2, error_feedback=True)
     assert all(p.auto.coded == set() for p in pipes)  # every rank the same plan, from the agreed measurement
     agreed = {p.auto.agreed for p in pipes}
     assert len(agreed) == 1 and next(iter(agreed))[0] > 0  # the slowest codec seconds per element, on every rank
+    assert all(p.rehearsal is None and not p.coder.feedback.worker for p in pipes)  # the rehearsal's copies went
     for step, key, groups, averages, named in out:
-        names = {g.transport.name for g in groups}
-        if step < PLAN_STEP:
-            assert names != {"fp32"}, (step, key)  # coded while measuring
-            continue
-        assert names == {"fp32"}, (step, key)
+        assert {g.transport.name for g in groups} == {"fp32"}, (step, key)
         exact = horovod_average([torch.cat([t for _, t in nm]) for nm in named])
-        if step == PLAN_STEP:  # the residuals of the coded steps go along once, then they are let go
-            assert not torch.equal(torch.cat(averages[0]), exact)
-            assert not any(p.coder.feedback.worker for p in pipes)
-        else:  # bit for bit Horovod's float average
-            assert all(torch.equal(torch.cat(a), exact) for a in averages)
+        assert all(torch.equal(torch.cat(a), exact) for a in averages), (step, key)
+
+
+def test_a_measured_step_trains_in_fp32_and_rehearses_its_coding_on_the_side():
+    """Two measured steps with error feedback on a slow link: what travels is the fp32 average (its bytes in the
+    stats, no coded tensor); the rehearsal coded every group into residuals of its own, and the second step
+    (the first after the warm-up) measured its seconds over every coded element."""
+    pipes, _ = _train(0.01, 2, error_feedback=True)
+    for p in pipes:
+        assert p.rehearsal is not None and p.rehearsal.auto is None
+        assert set(p.rehearsal.coder.feedback.worker) == {"t0", "t1", "t2"} and not p.coder.feedback.worker
+        last = p.stats.last
+        assert (last.tensors_coded, last.tensors_float, last.time_encode) == (0, 3, 0.0)
+        assert last.bytes_sent == 4 * (3000 + 3001 + 3002) and p.rehearsal.stats.current.bytes_sent > 0
+        assert p.auto.coded_numel == 3000 + 3001 + 3002 and p.auto.codec_s > 0 and len(p.auto.windows) == 1
 
 
 def test_on_a_slow_link_auto_keeps_coding(untried):
-    """10 Mbit/s: every group coded; the model's sharded transport first, then the allgather, the first plan it
-    tries (untried here: in force at once), on every rank alike."""
+    """10 Mbit/s: every group coded once measured (the measured steps in fp32), with the allgather, the first plan
+    it tries where the model's choice is the sharded transport (untried here: in force at once), on every rank
+    alike."""
     pipes, out = _train(0.01, PLAN_STEP + 2)
     assert all(p.auto.decided and p.auto.coded is None and p.auto.transport == "allgather" for p in pipes)
     names = {(step, g.transport.name) for step, _, groups, _, _ in out for g in groups}
-    assert names == {(s, "sharded" if s < PLAN_STEP else "allgather") for s in range(PLAN_STEP + 2)}
+    assert names == {(s, "fp32" if s < PLAN_STEP else "allgather") for s in range(PLAN_STEP + 2)}
 
 
 def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_coding(untried):
@@ -185,10 +195,12 @@ def test_without_a_shared_scaler_nothing_carries_the_measurement_and_auto_keeps_
     assert all(g.transport.name == "allgather" for _, _, groups, _, _ in out for g in groups)
 
 
-def test_a_nan_in_an_uncoded_group_names_the_tensor_and_the_rank_on_every_rank(untried):
-    pipes, out = _train(1000.0, PLAN_STEP + 1, nan_at=PLAN_STEP)
+@pytest.mark.parametrize("at", [1, PLAN_STEP], ids=["measured", "planned"])
+def test_a_nan_in_an_uncoded_group_names_the_tensor_and_the_rank_on_every_rank(untried, at):
+    """In a measured step too, where the rehearsal codes the NaN tensor first, and raises nothing."""
+    pipes, out = _train(1000.0, at + 1, nan_at=at)
     step, key, groups, averages, _ = out[-2]  # bucket.0 of the last step: t1 is NaN on rank 2
-    assert (step, key) == (PLAN_STEP, "bucket.0") and groups[0].transport.name == "fp32"
+    assert (step, key) == (at, "bucket.0") and groups[0].transport.name == "fp32"
     for p, g in zip(pipes, groups):
         assert [it.nonfinite_rank for it in g.items] == [-1, 2]
         with pytest.raises(NonFiniteGradientError, match=r"'t1' on rank 2 at step"):
@@ -318,7 +330,8 @@ def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
     Python again for the step after a resume (load_state_dict)."""
     _needs_cpp_hook()
     for out in run_ranks("tests.test_auto:body_hook_fp32_is_ddps_own", np=3, timeout=120, args=(29687,)):
-        assert [uncoded for uncoded, _, _ in out] == [False] * PLAN_STEP + [True] * 4  # coded until the plan
+        assert [uncoded for uncoded, _, _ in out] == [True] * (PLAN_STEP + 4)  # fp32 while measuring too
+        # the measured steps' average (the pipeline's, divided after the sum) rounds otherwise
         assert [same for _, same, _ in out] == [False] * PLAN_STEP + [True] * 4
         assert [native for _, _, native in out] == [False] * PLAN_STEP + [True, True, False, True]
 
@@ -364,7 +377,9 @@ def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep(error_feedback)
             assert not native and not same, (step, kept)
         elif step > verdict:  # decided: the C++ path where the fp32 plan was kept
             assert native == same == (kept == fp32 - 1), (step, kept, native, same)
-        else:  # coded
+        elif step < PLAN_STEP:  # measured: fp32 through the pipeline, in Python (over two ranks DDP's bits)
+            assert not native and same, step
+        else:  # the verdict's coded step
             assert not native and not same, step
 
 

@@ -1,4 +1,4 @@
-"""The Collectives protocol's three implementations: loopback semantics in-process, and the pipeline over
+"""The Collectives protocol's implementations: loopback and mirror semantics in-process, and the pipeline over
 torch.distributed (gloo, 2 real ranks) giving the loopback's bits for every transport."""
 import os
 import time
@@ -127,6 +127,45 @@ def test_loopback_results_are_the_collectives():
     hs = [c.sum_async_(v, "s") for c, v in zip(comms, vals)]
     comms[0].wait(hs[0], "s")
     assert vals[0].tolist() == [3.0, -3.0, 0.0] and vals[1].tolist() == [1.0, -1.0, 0.0]  # each rank's, in place
+
+
+@pytest.mark.parametrize("name,options", [c for c in CASES if not c[0].startswith("sharded")])
+def test_a_mirrored_rank_codes_and_decodes_as_in_a_world_of_its_copies(name, options):
+    """MirrorCollectives (auto's rehearsal of the coding): every peer sends what this rank sends. Rank 2's average
+    of 4 mirrored is bit for bit that of 4 loopback ranks that each code as rank 2, and it costs as much coding."""
+    from hvd_terngrad.collectives import MirrorCollectives
+    from hvd_terngrad.pipeline import Pipeline
+
+    cfg = TernGradConfig(min_numel=1, seed=4, **options)
+    copies = [Pipeline(cfg, c, rank=2) for c in LoopbackWorld(4).ranks()]
+    mirrored = Pipeline(cfg, MirrorCollectives(2, 4))
+    assert isinstance(mirrored.comm, Collectives)
+    for step in range(STEPS):
+        groups = [p.start("g", _grads(2, step)) for p in copies]
+        while any([p.progress(g) for p, g in zip(copies, groups)]):
+            pass
+        world = [p.finish(g) for p, g in zip(copies, groups)][0]
+        mine = mirrored.finish(mirrored.start("g", _grads(2, step)))
+        assert all(torch.equal(a, b) for a, b in zip(mine, world)), step
+        for p in copies + [mirrored]:
+            p.next_step()
+    assert mirrored.stats.last.bytes_sent == copies[0].stats.last.bytes_sent > 0
+    assert mirrored.stats.last.time_encode > 0 and mirrored.stats.last.time_decode > 0
+
+
+def test_a_rehearsal_codes_a_sharded_group_with_the_allgather():
+    """An owner's reply is for its own shard, and a mirror answers for the other owners with this rank's: a
+    rehearsal of a group the model sends sharded codes it with the allgather, whose average is a world's."""
+    from hvd_terngrad.collectives import MirrorCollectives
+    from hvd_terngrad.pipeline import Pipeline
+
+    cfg = TernGradConfig(min_numel=1, transport="sharded", block_size=64)
+    r = Pipeline(cfg, MirrorCollectives(2, 4), rehearsal=True)
+    g = r.start("g", _grads(2, 0))
+    mine = r.finish(g)
+    world = Pipeline(TernGradConfig(min_numel=1, block_size=64), MirrorCollectives(2, 4))
+    assert g.transport.name == "allgather" and r.auto is None
+    assert all(torch.equal(a, b) for a, b in zip(mine, world.finish(world.start("g", _grads(2, 0)))))
 
 
 def test_a_loopback_rank_that_never_joins_is_named_at_once():

@@ -143,7 +143,12 @@ def test_a_tensor_whose_magnitude_is_not_known_goes_in_fp32_beside_the_group_onc
     assert pipes[0].coder.magnitudes["new"] == pytest.approx(absmax(out[-2][3][0][2]), rel=1e-6)
 
 
-def test_with_error_feedback_the_residual_goes_along_the_first_fp16_average_and_is_let_go(fp16_untried):
+def test_with_error_feedback_the_residual_goes_along_the_first_fp16_average_and_is_let_go(monkeypatch):
+    """The trial's coded step (PLAN_STEP) leaves residuals; its fp16 step after carries them and lets them go."""
+    monkeypatch.setattr(auto, "TRIAL_PAIRS", 1)
+    monkeypatch.setattr(auto, "WIRES", ("fp16",))
+    pipes, _ = _run(PLAN_STEP + 1, error_feedback=True)
+    assert all(p.coder.feedback.worker for p in pipes)  # the coded step's
     pipes, _ = _run(PLAN_STEP + 2, error_feedback=True)
     assert not any(p.coder.feedback.worker for p in pipes)  # let go once the first average carried it
 

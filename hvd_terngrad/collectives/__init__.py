@@ -1,8 +1,9 @@
-"""The collectives TernGrad's pipeline and transports need, as one small protocol with three implementations.
+"""The collectives TernGrad's pipeline and transports need, as one small protocol and its implementations.
 
     HorovodCollectives   (collectives.horovod)   a Horovod process set
     TorchCollectives     (collectives.distributed) a torch.distributed process group: gloo on CPU, NCCL on GPU
     LoopbackCollectives  (collectives.loopback)  N ranks in one process, exact: the simulator and the tests
+    MirrorCollectives    (collectives.loopback)  one rank whose peers all send what it sends: a codec rehearsal
 
 Every operation starts without blocking and returns a handle; `poll` asks whether it is done and `wait` waits
 for it, at most `timeout_s`, then raises CollectiveTimeoutError naming what was waited for, the rank and the
@@ -26,7 +27,7 @@ from hvd_terngrad.errors import CollectiveTimeoutError
 from hvd_terngrad.stats import StatsRecorder
 
 __all__ = ["Collectives", "bounded_wait", "HorovodCollectives", "TorchCollectives", "LoopbackCollectives",
-           "LoopbackWorld"]
+           "LoopbackWorld", "MirrorCollectives"]
 
 
 @runtime_checkable
@@ -110,7 +111,7 @@ def __getattr__(name):  # the framework-bound implementations import their frame
         from hvd_terngrad.collectives.distributed import TorchCollectives
 
         return TorchCollectives
-    if name in ("LoopbackCollectives", "LoopbackWorld"):
+    if name in ("LoopbackCollectives", "LoopbackWorld", "MirrorCollectives"):
         from hvd_terngrad.collectives import loopback
 
         return getattr(loopback, name)

@@ -134,3 +134,43 @@ def horovod_average(tensors: list[torch.Tensor]) -> torch.Tensor:
     while len(level) > 1:
         level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
     return (level[0].double() * (1.0 / len(tensors))).to(tensors[0].dtype)
+
+
+class MirrorCollectives:
+    """One rank of `size` whose peers all send what it sends, answered at once in this process: a Max or an
+    average is the rank's own vector, an allgather its payload `size` times, an alltoall its own slice for itself
+    from every rank, a Sum `size` times its tensor. A transport of one collective runs on it as in a world of
+    copies of this rank, to the bit, and costs what it would in encode and decode, with no link: transport="auto"
+    times the codec so while its measured steps send fp32 (Pipeline.rehearse). A sharded transport's owners
+    reply each for its own shard: a mirror answers for the others with this rank's reply, another shard's codes."""
+
+    stats: StatsRecorder | None = None
+    timeout_s = 0.0  # nothing is ever waited for
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def max_allreduce_async(self, vec, name):
+        return vec.clone()
+
+    def allgather_async(self, payload, name):
+        return payload.repeat(self.size)
+
+    def alltoall_async(self, tensor, name):
+        return tensor.view(self.size, -1)[self.rank].repeat(self.size)
+
+    def sum_async_(self, tensor, name):
+        return tensor.mul_(self.size)
+
+    int8_sum_async_ = sum_async_
+
+    def average_async_(self, tensor, name):
+        return tensor
+
+    @staticmethod
+    def poll(handle) -> bool:
+        return True
+
+    @staticmethod
+    def wait(handle, what: str) -> torch.Tensor:
+        return handle
