@@ -17,7 +17,8 @@ in turn, so that the machine's drift over a job (its steps moved by 10-20% betwe
 another) falls on every method alike. --uncoded fp32|fp16 puts transport="auto"'s plan with every group
 uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside Horovod's fp16
 or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per rank; the median
-is over all but the first --warmup (50). Rank 0 prints a line per method.
+is over all but the first --warmup (50). Rank 0 prints a line per method; --early N adds each method's first N
+steps, one by one (where a trial's steps and a first step's set-up cost show).
 """
 from __future__ import annotations
 
@@ -178,6 +179,9 @@ class _Run:
             line += f"; auto {auto.summary()}"
         if getattr(self.tg, "native", False):
             line += "; the DDP hook's C++ path"
+        if args.early:
+            line += f"\n  its first {args.early} steps (ms): " + " ".join(f"{1e3 * t:.1f}" for t in
+                                                                      self.times[:args.early])
         return line
 
 
@@ -189,6 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=50, help="the first steps, left out of every figure")
     ap.add_argument("--interleave", action="store_true", help="build every method first, then take one step "
                     "of each in turn: the machine's drift over a job then falls on all of them alike")
+    ap.add_argument("--early", type=int, default=0, help="also print each method's first N steps, one by one")
     ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")

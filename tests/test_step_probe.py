@@ -50,3 +50,18 @@ def test_the_wide_task_is_a_large_model_on_a_fixed_batch_a_rank():
     net, idx = Wide().model(), torch.arange(8, 16)
     assert sum(p.numel() for p in net.parameters()) == 4 * 2048 * 2049 + 2049 * 10
     assert torch.equal(Wide().loss(net, idx), Wide().loss(net, idx)) and torch.isfinite(Wide().loss(net, idx))
+
+
+def test_early_prints_each_methods_first_steps_one_by_one_beside_the_figures_past_the_warm_up():
+    """--early N: where a trial's steps and a first step's set-up show, which the median past --warmup hides."""
+    import argparse
+
+    run = step_probe._Run.__new__(step_probe._Run)
+    run.method, run.tg = "fp32", None
+    run.times = [0.020, 0.0064] + [0.005] * 60
+    run.cpu = [(0.001, 0.002)] * len(run.times)
+    args = argparse.Namespace(task="ncf", warmup=50, early=3)
+    head, early = run.report(args).split("\n")
+    assert head.startswith("ncf fp32: median step 5.00 ms")  # the figures still leave out the warm-up
+    assert early == "  its first 3 steps (ms): 20.0 6.4 5.0"
+    assert "\n" not in run.report(argparse.Namespace(task="ncf", warmup=50, early=0))
