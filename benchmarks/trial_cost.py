@@ -5,8 +5,9 @@ are coded, in the fidelity suite's simulator (bit for bit the optimizer's exchan
     python -m benchmarks.trial_cost --task ncf --seeds 0-47 --jobs 2         # the seeds in 2 processes
     python -m benchmarks.trial_cost --task ncf --seeds 0-15 --jobs 2 --offset 92   # the trial 92 steps later
 
-Auto codes the coded turns of its trial and its verdict's step, then keeps what was fastest (its first PLAN_STEP
-steps, which measure the codec, send FP32).
+Auto codes the coded turns of its trial, its pruning step and its verdict's step, then keeps what was fastest
+(its first PLAN_STEP steps, which measure the codec, send FP32; the coded kind, pruned after the first pair of
+rounds where it is far behind, as on NCF, takes no more turns: --unpruned keeps it in every round).
 On the fast profile it keeps fp32 or fp16, so what is left of its cost after the trial's time is what those
 coded steps do to the model. Here all the other steps are FP32 (the trial's fp16 steps too: their scaled average
 stays within fp16's rounding of FP32's), and the coded steps are the paper's TernGrad, as `terngrad:auto`
@@ -33,13 +34,16 @@ from hvd_terngrad.auto import PLAN_STEP, AutoPlan
 from hvd_terngrad.transports.uncoded import WIRES
 
 
-def coded_steps(measured_coded: bool = False) -> set[int]:
+def coded_steps(measured_coded: bool = False, pruned: bool = True) -> set[int]:
     """The steps auto codes every group on, where the model leaves every group uncoded and it tries its plan in
-    each wire (AutoPlan: the trial's coded turns, the verdict step; measured_coded: the measured steps too)."""
+    each wire (AutoPlan: the trial's coded turns, the pruning step, the verdict step; pruned: the coded kind
+    tried no more after the first pair, as NCF's is on the fast link; measured_coded: the measured steps too)."""
     auto = AutoPlan()
     auto.trials = [(set(), None, wire) for wire in WIRES]
+    if pruned:
+        auto.left = [k for k in auto._turns() if k]
     return {s for s in range(auto.verdict_step + 1)
-            if (measured_coded and s < PLAN_STEP) or s == auto.verdict_step or auto._kind(s) == 0}
+            if (measured_coded and s < PLAN_STEP) or (s >= PLAN_STEP and auto._kind(s) in (0, None))}
 
 
 def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int, float]]:
@@ -66,10 +70,12 @@ def main(argv=None) -> None:
     ap.add_argument("--offset", type=int, default=0, help="the trial's coded steps this many steps later")
     ap.add_argument("--measured-coded", action="store_true", help="the measured steps (the first PLAN_STEP) "
                     "coded too, as auto coded them before it rehearsed the codec on FP32 steps")
+    ap.add_argument("--unpruned", action="store_true", help="the coded kind tried in every pair of rounds, as "
+                    "before the trial pruned the kinds far behind after the first pair (auto.PRUNE)")
     args = ap.parse_args(argv)
     first, last = map(int, args.seeds.split("-"))
     seeds = range(first, last + 1)
-    coded = {s + args.offset for s in coded_steps(args.measured_coded)}
+    coded = {s + args.offset for s in coded_steps(args.measured_coded, pruned=not args.unpruned)}
     print(f"{args.task}, {args.workers} workers, coded steps {sorted(coded)}", flush=True)
     todo = [(args.task, s, args.workers, coded) for s in seeds]
     if args.jobs > 1:

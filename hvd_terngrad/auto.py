@@ -43,6 +43,11 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
   after a coded one merges the coded step's residuals, in Python (AutoPlan._turns). A coded step then
   carries every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the
   shortest: a plan only if it beat the coded steps, else every group is coded from then on.
+- After the first pair of rounds a coded step carries each kind's mean over that pair, and the kinds slower
+  than PRUNE times the fastest are tried no more: a kind far behind after one pair does not win the median
+  of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take 1.4-2.6 times
+  its fastest kind's step; 4 of the 7 coded steps of NCF's trial on a fast link go). Where one kind is
+  left, it is kept there and then.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
   pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
   overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
@@ -68,12 +73,23 @@ from hvd_terngrad.transports.uncoded import FP32, WIRES
 PLAN_STEP = 4  # steps sent in fp32 and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
+# A kind whose first pair of rounds took more than PRUNE times the fastest kind's steps is tried no more: the
+# trial's time goes to the kinds that can still win. In the trials recorded in results/time_to_accuracy*/ (the
+# median of three pair means over the fastest kind's), NCF's coded kinds took 1.25-2.6x (most above 1.4x) and
+# lenet's fp32 plan at 1 Gbit/s 1.4-2.5x, where the kinds that won or came close were within 1.3x. Each
+# coded step in NCF's first hundred costs it accuracy (docs/time-to-accuracy.md, "The trial prunes slow kinds").
+PRUNE = 1.3
 
 
-def _verdict_step(plans: int) -> int:
-    """The coded step after a trial of `plans` plans: the trial's rounds run a step of each kind (coding, each
-    plan) from PLAN_STEP on."""
-    return PLAN_STEP + (1 + plans) * 2 * TRIAL_PAIRS
+def _verdict_step(plans: int, left: int | None = None) -> int:
+    """The coded step that ends a trial of `plans` plans (a step of each kind, coding and each plan, a round from
+    PLAN_STEP on): after its first pair of rounds where more follow, a coded step that prunes the slow kinds
+    (AutoPlan._prune), then the remaining pairs of the `left` kinds (all of them: None), and the verdict. Where one
+    kind is left, the pruning step is the verdict."""
+    kinds = 1 + plans
+    first = PLAN_STEP + 2 * kinds * min(TRIAL_PAIRS, 1)
+    left = kinds if left is None else left
+    return first if TRIAL_PAIRS <= 1 or left == 1 else first + 1 + 2 * left * (TRIAL_PAIRS - 1)
 
 
 LAST_VERDICT_STEP = _verdict_step(MAX_TRIALS)  # auto has decided after this step
@@ -116,16 +132,19 @@ class AutoPlan:
         1 .. PLAN_STEP-2    fp32, coding rehearsed; codec seconds per element and the window measured
         PLAN_STEP-1         fp32, coding rehearsed; a Max allreduce beside each group's average carries
                             [seconds per element, -window]; the plans to try
-        2 * TRIAL_PAIRS     rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
+        2                   rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
                             _turns; the second round of a pair the other way round), every step timed
+        pruning_step        coded; the scaler vectors carry each kind's mean over the first pair, and the
+                            kinds within PRUNE of the fastest are left (_prune); where one is, it is kept
+        2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
-                            median of its pair means; the fastest is kept
+                            median of its pair means; the fastest kind left is kept
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
     model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
 
     __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trials",
-                 "times", "step_end", "verdict", "kept", "coded", "transport", "wire")
+                 "times", "step_end", "left", "verdict", "kept", "coded", "transport", "wire")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -139,6 +158,7 @@ class AutoPlan:
         self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, in turn with coding
         self.times: list[list[float]] = [[]]  # the trial's step seconds on this rank: coded, then each plan's
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
+        self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
@@ -149,17 +169,25 @@ class AutoPlan:
         return self.coded is not None and key not in self.coded
 
     def summary(self) -> dict:
-        """What the benchmarks record: the plans tried, the step seconds that judged them, what is in force."""
+        """What the benchmarks record: the plans tried, the step seconds that judged them (a pruned kind's: its
+        first pair's mean), the kinds left after the first pair (0: coded, k: the k-th plan tried), what is in
+        force."""
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
-                "step_seconds_coded_tried": self.verdict, "kept": self.kept,
+                "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left, "kept": self.kept,
                 "uncoded_now": self.coded is not None, "transport_now": self.transport,
                 "uncoded_wire_now": self.wire if self.coded is not None else None}
 
     @property
     def verdict_step(self) -> int:
         """The coded step that carries the step times (past it, auto has decided)."""
-        return _verdict_step(len(self.trials))
+        return _verdict_step(len(self.trials), None if self.left is None else len(self.left))
+
+    @property
+    def pruning_step(self) -> int:
+        """The coded step after the trial's first pair of rounds, which carries each kind's mean over it (where
+        more pairs follow; else the verdict's step)."""
+        return _verdict_step(len(self.trials), 1)
 
     @property
     def decided(self) -> bool:
@@ -167,8 +195,8 @@ class AutoPlan:
 
     @property
     def carrying(self) -> bool:
-        """Whether this step's groups carry a measurement (in their scaler vectors on the verdict's step)."""
-        return self.steps in (PLAN_STEP - 1, self.verdict_step)
+        """Whether this step's groups carry a measurement (in their scaler vectors on the trial's coded steps)."""
+        return self.steps in (PLAN_STEP - 1, self.pruning_step, self.verdict_step)
 
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
                 encoded: float | None) -> None:
@@ -182,6 +210,8 @@ class AutoPlan:
 
     def carried(self) -> list[float]:
         """The values this rank appends to its scaler vectors on a carrying step."""
+        if self.steps == self.pruning_step:  # the same before and after _prune: every group carries alike
+            return [_trial_step(t[:2]) for t in self.times]
         if self.steps == self.verdict_step:
             return [_trial_step(t) for t in self.times]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
@@ -189,11 +219,19 @@ class AutoPlan:
 
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
-        the shortest window; or each kind's step on the slowest rank."""
+        the shortest window; or each kind's step on the slowest rank, over the first pair or the trial."""
+        if self.steps == self.pruning_step and self.left is None and TRIAL_PAIRS > 1:  # more pairs follow
+            self._prune(values)
         if self.steps == self.verdict_step:
             self.verdict = tuple(values)
-        else:
+        elif self.steps != self.pruning_step:
             self.agreed = (values[0], -values[1])
+
+    def _prune(self, firsts: list[float]) -> None:
+        """The kinds left for the rest of the trial: those whose mean over the first pair (on the slowest rank)
+        was within PRUNE of the fastest kind's. Where one is left, this step is the verdict's."""
+        fastest = min(firsts)
+        self.left = [k for k in self._turns() if firsts[k] <= PRUNE * fastest]
 
     def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
         """The end of a step (codec_s: its rehearsals' encode + decode seconds): its measurement, the plan in
@@ -214,7 +252,8 @@ class AutoPlan:
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
         elif s == self.verdict_step and self.verdict is not None:
-            best = min(range(len(self.verdict)), key=lambda k: self.verdict[k])  # the coded kind on a tie
+            left = self.left if self.left is not None else range(len(self.verdict))
+            best = min(sorted(left), key=lambda k: self.verdict[k])  # the coded kind on a tie
             self.kept = best - 1 if best else None
         self.steps += 1
         self._in_force(self.kept if self.decided else self._trying(self.steps))
@@ -222,12 +261,15 @@ class AutoPlan:
 
     def _kind(self, step: int) -> int | None:
         """The kind step `step` of the trial is: 0 every group coded as the model says, k the plan trials[k - 1];
-        None outside the trial. Round r runs the kinds in turn (_turns), or (r odd: the second of a pair) in
-        reverse."""
-        if not PLAN_STEP <= step < self.verdict_step:
+        None outside the trial's rounds (the pruning step too). Round r runs the kinds in turn (_turns; after
+        the pruning step, those left), or (r odd: the second of a pair) in reverse."""
+        if not PLAN_STEP <= step < self.verdict_step or step == self.pruning_step:
             return None
         turns = self._turns()
-        r, i = divmod(step - PLAN_STEP, len(turns))
+        i = step - PLAN_STEP
+        if step > self.pruning_step:
+            turns, i = self.left or turns, step - self.pruning_step - 1
+        r, i = divmod(i, len(turns))
         return turns[-1 - i] if r % 2 else turns[i]
 
     def _turns(self) -> list[int]:

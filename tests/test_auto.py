@@ -53,12 +53,22 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
 
 def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0) -> list[float]:
     """Step seconds of a whole trial: PLAN_STEP coded steps of `before`, then the rounds, where kind k (0:
-    coded, k: the k-th plan) takes kinds[k], plus drift times the step's place in the rounds, then 3 steps
-    past the verdict. The plans end with the fp32 plan and the fp16 one, and a round runs the fp32 plan last."""
+    coded, k: the k-th plan) takes kinds[k], plus drift times the step's place in the trial; after the first
+    pair of rounds a coded step, and the rounds of the kinds left (within PRUNE of the fastest over the first
+    pair) where more than one is; then the verdict's step and 2 past it. The plans end with the fp32 plan and
+    the fp16 one, and a round runs the fp32 plan last."""
     fp32 = len(kinds) - 2
     turns = [k for k in range(len(kinds)) if k != fp32] + [fp32]
-    order = [k for r in range(2 * TRIAL_PAIRS) for k in (turns if r % 2 == 0 else reversed(turns))]
-    return [before] * PLAN_STEP + [kinds[k] + drift * j for j, k in enumerate(order)] + [kinds[0]] * 3
+
+    def rounds(order: list[int], n: int, start: int) -> tuple[list[float], list[int]]:
+        ks = [k for r in range(n) for k in (order if r % 2 == 0 else reversed(order))]
+        return [kinds[k] + drift * (start + j) for j, k in enumerate(ks)], ks
+
+    first, ks = rounds(turns, 2, 0)
+    means = {k: sum(t for t, kk in zip(first, ks) if kk == k) / 2 for k in turns}
+    left = [k for k in turns if means[k] <= auto.PRUNE * min(means.values())]
+    rest = [kinds[0]] + rounds(left, 2 * (TRIAL_PAIRS - 1), len(first) + 1)[0] if len(left) > 1 else []
+    return [before] * PLAN_STEP + first + rest + [kinds[0]] * 3
 
 
 UNCODED_TRIALS = [{"coding": [], "transport": None, "uncoded": "fp32"},
@@ -89,13 +99,51 @@ def test_the_trial_is_not_swayed_by_a_drift_of_the_machines_speed_or_by_a_spike(
     warming, spiked = AutoPlan(), AutoPlan()
     _steps(warming, trial([0.030, 0.025, 0.0255], drift=-0.0005))
     seconds = trial([0.010, 0.009, 0.0095])
-    seconds[PLAN_STEP + 3 * 3] = 0.090  # the fp32 step of the second pair's second round (fp32, fp16, coded)
+    # the fp32 step of the second pair's second round (fp32, fp16, coded), after the first pair and the pruning step
+    seconds[PLAN_STEP + 3 * 3 + 1] = 0.090
     _steps(spiked, seconds)
     for p in (warming, spiked):
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
         assert p.uncoded("bucket.0") and p.wire == "fp32", p.verdict
     fp32, fp16 = warming.verdict[1:]
     assert fp16 - fp32 == pytest.approx(0.0005)  # the drift cancels within each pair
+
+
+def test_a_kind_far_behind_after_the_first_pair_is_tried_no_more():
+    """Coded steps 1.5x the uncoded ones over the first pair (NCF on a fast link): the pruning step leaves the two
+    wires, which take turns for the other pairs without a coded step, and the faster is kept; the trial is 4
+    coded steps shorter. Where one kind is left, it is kept on the pruning step itself."""
+    pruned, alone, even = AutoPlan(), AutoPlan(), AutoPlan()
+    _steps(pruned, trial([0.0075, 0.0050, 0.0048]))
+    _steps(alone, trial([0.0150, 0.0050, 0.0100]))  # fp16 2x fp32: one kind left after the first pair
+    _steps(even, trial([0.0100, 0.0095, 0.0098]))  # within PRUNE of each other: every kind to the end
+    assert pruned.summary()["left_after_first_pair"] == [2, 1] and pruned.kept == 1 and pruned.wire == "fp16"
+    assert pruned.verdict == pytest.approx((0.0075, 0.0050, 0.0048))  # the coded kind's: its first pair's
+    assert pruned.verdict_step == pruned.pruning_step + 1 + 2 * 2 * (TRIAL_PAIRS - 1)
+    assert even.verdict_step == even.pruning_step + 1 + 2 * 3 * (TRIAL_PAIRS - 1) == pruned.verdict_step + 4
+    coded = [s for s in range(pruned.verdict_step + 1) if pruned._kind(s) in (0, None) and s >= PLAN_STEP]
+    assert len(coded) == 4  # the first pair's 2, the pruning step, the verdict's (7 without pruning: `even`)
+    assert alone.summary()["left_after_first_pair"] == [1] and alone.kept == 0 and alone.wire == "fp32"
+    assert alone.verdict_step == alone.pruning_step == PLAN_STEP + 2 * 3 and alone.decided
+    assert even.summary()["left_after_first_pair"] == [0, 2, 1] and even.kept == 0 and even.wire == "fp32"
+
+
+def test_the_pruning_step_carries_the_same_values_in_every_group():
+    """Groups of one step carry alike whether or not an earlier group's values came back (and pruned) already:
+    a rank's groups, and the ranks, stay in agreement on the vector's length and values."""
+    p = AutoPlan()
+    seconds = trial([0.0150, 0.0050, 0.0049])
+    clock = 0.0
+    for took in seconds[:PLAN_STEP + 6]:  # through the first pair
+        clock += took
+        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
+        if p.carrying:
+            p.agree(p.carried())
+        p.step_done(2e-3, 4, Link(100e9 / 8), int8=False, now=clock)
+    assert p.steps == p.pruning_step and p.carrying
+    before = p.carried()
+    p.agree(before)  # the first group's values back: the coded kind pruned
+    assert p.left == [2, 1] and p.carried() == before and p.carrying
 
 
 def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster():
@@ -336,12 +384,14 @@ def test_the_hooks_own_fp32_average_is_ddps_own_allreduce_to_the_bit():
         assert [native for _, _, native in out] == [False] * PLAN_STEP + [True, True, False, True]
 
 
-def body_trial_with_cpp(port, error_feedback):
-    """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, fp16, fp32, then fp32, fp16, coded): per step, the
-    kind auto had in force, whether the C++ path averaged it, and whether every gradient is DDP's bits; then the
-    plans tried, each kind's count of timed steps on this rank, the plan kept and the verdict's step."""
+def body_trial_with_cpp(port, error_feedback, prune):
+    """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, fp16, fp32, then fp32, fp16, coded), with auto.PRUNE
+    `prune`: per step, the kind auto had in force, whether the C++ path averaged it, and whether every gradient
+    is DDP's bits; then the plans tried, each kind's count of timed steps on this rank, the plan kept and the
+    verdict's step."""
     from tests.test_ddp import _close_gloo
 
+    auto.PRUNE = prune
     state, train = _beside_ddps_own(port, error_feedback=error_feedback)
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
@@ -355,20 +405,23 @@ def body_trial_with_cpp(port, error_feedback):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("error_feedback", [False, True])
-def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep(error_feedback):
+@pytest.mark.parametrize("error_feedback,prune,port", [(False, float("inf"), 29787), (True, float("inf"), 29789),
+                                                       (True, 1.0, 29791)], ids=["plain", "ef", "ef-one-left"])
+def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep(error_feedback, prune, port):
     """The trial times each kind as it would run once kept: the fp32 plan's steps on the C++ path (each ended
     once it has completed, as the Python kinds' steps are), the coded and fp16 steps in Python. Timed in Python,
     the fp32 plan carried the Python hook's 5-8% against the C++ path it would run on, and lost to fp16 or to
     coding by 0.4-2.8% on lenet on the fast profile (docs/time-to-accuracy.md). With error feedback too: no fp32
     step of the trial follows a coded one, whose residuals it would merge in Python; once decided, the first
-    step after the coded verdict step merges them."""
+    step after the coded verdict step merges them. Every kind to the end (nothing pruned), or (PRUNE 1) only
+    the fastest left after the first pair, kept on the pruning step."""
     _needs_cpp_hook()
-    res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120,
-                    args=(29789 if error_feedback else 29787, error_feedback))
+    res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120, args=(port, error_feedback, prune))
     assert res[0] == res[1]  # the same kinds, paths, bits and verdict on both ranks
     out, (trials, counts, kept, verdict) = res[0]
-    assert [w for _, _, w in trials] == ["fp32", "fp16"] and counts == [2 * TRIAL_PAIRS] * 3, (trials, counts)
+    pairs = TRIAL_PAIRS if prune == float("inf") else 1
+    assert [w for _, _, w in trials] == ["fp32", "fp16"] and counts == [2 * pairs] * 3, (trials, counts)
+    assert verdict == PLAN_STEP + 2 * 3 * pairs + (pairs > 1), verdict  # the pruning step among them
     fp32 = 1  # its kind: trials[0]
     for step, (kind, native, same) in enumerate(out):
         if PLAN_STEP <= step < verdict:  # the trial: the fp32 plan in C++, DDP's bits; every other kind in Python

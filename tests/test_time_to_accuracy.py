@@ -130,17 +130,21 @@ def test_the_main_jobs_table_on_localhost_adds_the_cost_models_step_on_1_gbit():
 
 def test_the_trial_cost_benchmark_codes_the_steps_auto_codes():
     """benchmarks.trial_cost codes the steps auto codes where it tries its plan in each wire: the coded turn of
-    each round (first, or last in the second round of a pair) and the verdict step, read from AutoPlan itself,
-    so that the benchmark follows the trial when it changes; with measured_coded, the measured steps too."""
+    each round (first, or last in the second round of a pair), the pruning step after the first pair and the
+    verdict step, read from AutoPlan itself, so that the benchmark follows the trial when it changes; pruned
+    (the default), the coded turns of the first pair only; with measured_coded, the measured steps too."""
     from benchmarks.trial_cost import coded_steps
     from hvd_terngrad.auto import PLAN_STEP, TRIAL_PAIRS
     from hvd_terngrad.transports.uncoded import WIRES
 
     kinds = 1 + len(WIRES)
-    rounds = [PLAN_STEP + r * kinds + (kinds - 1 if r % 2 else 0) for r in range(2 * TRIAL_PAIRS)]
-    verdict = PLAN_STEP + 2 * TRIAL_PAIRS * kinds
-    assert coded_steps() == set(rounds) | {verdict}
-    assert coded_steps(measured_coded=True) == set(range(PLAN_STEP)) | set(rounds) | {verdict}
+    pruning = PLAN_STEP + 2 * kinds
+    first = {PLAN_STEP, pruning - 1}  # the first pair's coded turns, then the pruning step
+    later = {pruning + 1 + r * kinds + (kinds - 1 if r % 2 else 0) for r in range(2 * TRIAL_PAIRS - 2)}
+    assert coded_steps(pruned=False) == first | {pruning} | later | {pruning + 1 + 2 * (TRIAL_PAIRS - 1) * kinds}
+    verdict = pruning + 1 + 2 * (TRIAL_PAIRS - 1) * (kinds - 1)
+    assert coded_steps() == first | {pruning, verdict}
+    assert coded_steps(measured_coded=True) == set(range(PLAN_STEP)) | first | {pruning, verdict}
 
 
 def test_the_trial_cost_benchmark_averages_the_gap_at_each_evaluation():
