@@ -32,9 +32,12 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
   each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
-  in reverse order, and each rank times every step. A steady drift of the machine's speed (a job's first
-  steps still warming up, a slow spell) then moves every kind's mean over a pair alike, and a kind's
-  step is the median of its pair means: the first pair pays one-offs, a spike moves one pair. Tried in
+  in reverse order, and each rank times every step. A kind's steps then lie symmetrically about the trial's
+  middle, so a steady drift of the machine's speed (a job's first steps still warming up, a slow spell)
+  moves the median of every kind's steps alike, and a kind's step is that median: the first pair pays
+  one-offs, and a pause between two steps (an evaluation every few steps) or a spike moves one step, where
+  the median of six stands up to two. (The median of its three pair means did not: lenet's evaluation every
+  7 steps fell on the fp32 plan's steps in two pairs of three and made it 8-11x the fastest kind.) Tried in
   blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
   warranted (measured: docs/time-to-accuracy-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
   it would once kept: DDP's hook averages the fp32 plan's steps on its C++ path (ddp._Native.steer); timed
@@ -76,7 +79,7 @@ TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, eac
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
 # A kind whose faster step of the first pair of rounds took more than PRUNE times the fastest kind's faster
 # step is tried no more: the trial's time goes to the kinds that can still win. In the trials recorded in
-# results/time_to_accuracy*/ (a kind's median of three pair means over the fastest kind's), NCF's coded kinds
+# results/time_to_accuracy*/ (a kind's trial step over the fastest kind's), NCF's coded kinds
 # took 1.25-2.6x, most above 1.4x, and lenet's fp32 plan at 1 Gbit/s 1.4-2.5x; lenet's kinds on the fast link,
 # where any of them can win, mostly stayed within 1.3x. The faster step of two, not their mean: a pause between
 # two steps (an evaluation, a checkpoint) lands on one step of one kind, and made lenet's fp32 plan look 8-14x
@@ -142,7 +145,7 @@ class AutoPlan:
                             the kinds within PRUNE of the fastest are left (_prune); where one is, it is kept
         2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
-                            median of its pair means; the fastest kind left is kept
+                            median of its steps in the trial; the fastest kind left is kept
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
     model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
@@ -316,6 +319,5 @@ class AutoPlan:
 
 
 def _trial_step(times: list[float]) -> float:
-    """A kind's step from its trial steps, one a round: the median of its means over pairs of rounds (the
-    module docstring)."""
-    return statistics.median((a + b) / 2 for a, b in zip(times[::2], times[1::2]))
+    """A kind's step from its trial steps, one a round: their median (the module docstring)."""
+    return statistics.median(times)

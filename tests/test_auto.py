@@ -131,13 +131,21 @@ def test_a_kind_far_behind_after_the_first_pair_is_tried_no_more():
 def test_a_pause_on_one_step_of_the_first_pair_prunes_nothing():
     """An evaluation between two steps (lenet's every 7 steps, in benchmarks.time_to_accuracy) lands on one
     kind's step: 25 times its length. Its other step of the pair is as fast as the others', so every kind
-    takes its turns to the end, and the median of pair means keeps the pause out of the verdict."""
+    takes its turns to the end, and the median of its steps keeps the pause out of the verdict; so it does
+    where a pause every 7 steps falls on the same kind in two pairs of three."""
     p = AutoPlan()
     seconds = trial([0.010, 0.0095, 0.0098])
     seconds[PLAN_STEP + 3] = 0.250  # the fp32 plan's step of the first pair's second round (fp32, fp16, coded)
     _steps(p, seconds)
     assert p.summary()["left_after_first_pair"] == [0, 2, 1] and p.kept == 0 and p.wire == "fp32"
     assert p.verdict == pytest.approx((0.010, 0.0095, 0.0098))
+    every7 = AutoPlan()  # lenet in benchmarks.time_to_accuracy: an evaluation before steps 7, 14 and 21
+    seconds = trial([0.010, 0.0095, 0.0098])
+    for s in (7, 14, 21):
+        seconds[s] += 0.250
+    _steps(every7, seconds)
+    assert [every7._kind(s) for s in (7, 14, 21)] == [1, 1, 2]  # the fp32 plan twice
+    assert every7.kept == 0 and every7.verdict == pytest.approx((0.010, 0.0095, 0.0098))
 
 
 def test_the_pruning_step_carries_the_same_values_in_every_group():
