@@ -192,8 +192,8 @@ class AutoPlan:
 
     @property
     def pruning_step(self) -> int:
-        """The coded step after the trial's first pair of rounds, which carries each kind's mean over it (where
-        more pairs follow; else the verdict's step)."""
+        """The coded step after the trial's first pair of rounds, which carries each kind's faster step of it
+        (where more pairs follow; else the verdict's step)."""
         return _verdict_step(len(self.trials), 1)
 
     @property
