@@ -152,14 +152,7 @@ def test_the_pruning_step_carries_the_same_values_in_every_group():
     """Groups of one step carry alike whether or not an earlier group's values came back (and pruned) already:
     a rank's groups, and the ranks, stay in agreement on the vector's length and values."""
     p = AutoPlan()
-    seconds = trial([0.0150, 0.0050, 0.0049])
-    clock = 0.0
-    for took in seconds[:PLAN_STEP + 6]:  # through the first pair
-        clock += took
-        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
-        if p.carrying:
-            p.agree(p.carried())
-        p.step_done(2e-3, 4, Link(100e9 / 8), int8=False, now=clock)
+    _steps(p, trial([0.0150, 0.0050, 0.0049])[:PLAN_STEP + 6])  # through the first pair
     assert p.steps == p.pruning_step and p.carrying
     before = p.carried()
     p.agree(before)  # the first group's values back: the coded kind pruned
