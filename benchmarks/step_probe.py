@@ -16,7 +16,10 @@ side in one job, each order both ways. --interleave builds every method first an
 in turn, so that the machine's drift over a job (its steps moved by 10-20% between methods run one after
 another) falls on every method alike. --uncoded fp32|fp16 puts transport="auto"'s plan with every group
 uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside Horovod's fp16
-or FP32, without the trial's choice). Each method trains --steps steps on a fixed batch per rank; the median
+or FP32, without the trial's choice); on one method, the suffix `+coded`, `+fp32` or `+fp16` puts that kind of
+the trial in force for it alone (every group coded as the model says, or every group uncoded in the wire), so
+that `ddp:fp32,ddp:terngrad:auto+coded,ddp:terngrad:auto+fp32,ddp:terngrad:auto+fp16 --interleave` times each
+kind auto can keep, side by side, over more steps than its trial has. Each method trains --steps steps on a fixed batch per rank; the median
 is over all but the first --warmup (50). Rank 0 prints a line per method; --early N adds each method's first N
 steps, one by one (where a trial's steps and a first step's set-up cost show).
 """
@@ -31,6 +34,7 @@ import time
 from contextlib import contextmanager
 
 SUFFIXES = ("+unchecked", "+naps", "+spins")
+KINDS = ("+coded", "+fp32", "+fp16")  # auto's kind forced (any front end's transport="auto")
 EXTRA = ("float", "ddp:python")  # the methods this probe adds to hvd_terngrad.methods
 
 
@@ -79,10 +83,14 @@ def check_methods(methods: list[str]) -> None:
     for method in methods:
         base, suffixes = _suffixes(method)
         m = None if base in EXTRA else parse_method(base)
+        kinds = [x for x in suffixes if x in KINDS]
+        suffixes = [x for x in suffixes if x not in KINDS]
         if any(x not in SUFFIXES for x in suffixes):
-            raise ValueError(f"{method}: the suffixes are {', '.join(SUFFIXES)}")
+            raise ValueError(f"{method}: the suffixes are {', '.join(SUFFIXES + KINDS)}")
         if suffixes and (base == "ddp:python" or m is not None and not _ours(m)):
             raise ValueError(f"{method}: {', '.join(SUFFIXES)} go on hvd_terngrad's optimizer only")
+        if len(kinds) > 1 or kinds and (m is None or m.transport != "auto"):
+            raise ValueError(f"{method}: one of {', '.join(KINDS)}, on a method with transport auto")
 
 
 @contextmanager
@@ -127,13 +135,22 @@ class Wide:
         return torch.nn.functional.cross_entropy(net(x), y)
 
 
-def _force_uncoded(wire: str) -> None:
-    """Every AutoPlan made from now on plans one trial, every group uncoded in `wire`, and keeps it untried."""
+_FORCED = [None]  # the kind forced on the step running now (_Run.step): "coded", a wire, or None
+
+
+def _force_kinds() -> None:
+    """From now on, an AutoPlan planning on the step of a method with a kind forced (KINDS, --uncoded) puts
+    that kind in force at once, untried; the others plan and try as they would."""
     import hvd_terngrad.auto as auto
 
+    trial = auto.AutoPlan._plan
+
     def plan(self, size, link, int8):
-        self.trials, self.times = [(set(), None, wire)], self.times + [[]]
-        self.kept, self.steps = 0, self.verdict_step
+        kind = _FORCED[0]
+        if kind is None:
+            return trial(self, size, link, int8)
+        self.trials, self.times = [(set(), None, "fp32" if kind == "coded" else kind)], self.times + [[]]
+        self.kept, self.steps = (None if kind == "coded" else 0), self.verdict_step
 
     auto.AutoPlan._plan = plan
 
@@ -141,17 +158,20 @@ def _force_uncoded(wire: str) -> None:
 class _Run:
     """One method's model, optimizer and step times."""
 
-    def __init__(self, method: str, data, hvd):
+    def __init__(self, method: str, data, hvd, uncoded=None):
         import torch
 
         torch.manual_seed(0)
         model = data.model()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.method, self.data = method, data
+        kinds = [x[1:] for x in _suffixes(method)[1] if x in KINDS]
+        self.kind = kinds[0] if kinds else uncoded  # auto's kind forced (_force_kinds), or None
         self.net, self.opt, self.tg = build(method, model, data)
         self.times, self.cpu = [], []
 
     def step(self, idx) -> None:
+        _FORCED[0] = self.kind
         with _waits(self.method):
             t0, c0 = time.perf_counter(), (time.thread_time(), time.process_time())
             self.opt.zero_grad()
@@ -205,8 +225,8 @@ def main(argv=None) -> int:
         check_methods(methods)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.uncoded:
-        _force_uncoded(args.uncoded)
+    if args.uncoded or any(x in KINDS for method in methods for x in _suffixes(method)[1]):
+        _force_kinds()
     if args.spin_s is not None:
         import hvd_terngrad.collectives
 
@@ -225,7 +245,7 @@ def main(argv=None) -> int:
     data = Wide() if args.task == "wide" else Data(TASKS[args.task])
     idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
     for group in [methods] if args.interleave else [[method] for method in methods]:
-        runs = [_Run(method, data, hvd) for method in group]
+        runs = [_Run(method, data, hvd, args.uncoded) for method in group]
         for _ in range(args.steps):
             for run in runs:  # interleaved: one step of each method in turn
                 run.step(idx)

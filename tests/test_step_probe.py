@@ -27,6 +27,29 @@ def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
         step_probe.main(["--steps", "51"])
 
 
+def test_a_kind_suffix_forces_auto_s_kind_for_its_method_alone(monkeypatch):
+    """+coded, +fp32 and +fp16 go on a method with transport auto, one at most; on the step of a method with
+    one, the plan puts that kind in force at once, untried, and on another method's step auto plans its trial."""
+    import hvd_terngrad.auto as auto
+    from tests.test_auto import _steps
+
+    step_probe.check_methods(["ddp:terngrad:auto+coded", "terngrad:auto+fp16", "terngrad:auto+unchecked+fp32"])
+    for bad in ("ddp:fp32+coded", "terngrad+fp16", "terngrad:auto+coded+fp16", "float+fp32"):
+        with pytest.raises(ValueError, match="transport auto"):
+            step_probe.check_methods([bad])
+    monkeypatch.setattr(auto.AutoPlan, "_plan", auto.AutoPlan._plan)  # put back after the test
+    monkeypatch.setattr(step_probe, "_FORCED", [None])
+    step_probe._force_kinds()
+    plans = {}
+    for kind in ("coded", "fp32", "fp16", None):
+        step_probe._FORCED[0] = kind
+        _steps(plans.setdefault(kind, auto.AutoPlan()), [0.01] * (auto.PLAN_STEP + 2))
+    assert plans["coded"].decided and plans["coded"].coded is None
+    assert plans["fp32"].decided and plans["fp32"].uncoded("bucket.0") and plans["fp32"].wire == "fp32"
+    assert plans["fp16"].decided and plans["fp16"].uncoded("bucket.0") and plans["fp16"].wire == "fp16"
+    assert not plans[None].decided and len(plans[None].trials) == 2  # its trial under way
+
+
 def test_naps_nap_a_millisecond_from_the_first_poll_and_spins_spin_to_the_end_for_their_method_only():
     before = _waits()
     with step_probe._waits("terngrad:auto"):
