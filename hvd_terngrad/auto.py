@@ -95,11 +95,11 @@ PRUNE = 1.5
 # 0.94x DDP FP32 (docs/time-to-accuracy.md, "The trial's verdict: pauses left out, the model's choice on a tie").
 PAUSE = 2.0
 # Another kind replaces the model's choice (coding where the model codes every group, else its plan in fp32)
-# only where its step is more than MARGIN shorter. Where kinds are closer than that, six steps a kind do not
-# tell them apart on a shared machine: forced side by side for 400 steps, the DDP hook's kinds on lenet at
-# `fast` stepped within 2-4% of each other, while the trial's medians of six put them up to 12% apart. The
-# model's choice is then kept, and a coded kind, which also costs steps to the target, is kept only where it
-# clearly pays.
+# only where its step is more than MARGIN shorter. Six steps a kind do not tell closer kinds apart on a shared
+# machine, whose steps vary by 10% or more: forced side by side for 400 steps each, the DDP hook's kinds on
+# lenet at `fast` stepped within 6% of each other (the fp32 plan fastest, coding 1-4% behind it), and a trial
+# kept coding on 6 seeds of 10. The model's choice is then kept, and a coded kind, which also costs steps to
+# the target, only where it clearly pays.
 MARGIN = 0.05
 
 
@@ -195,10 +195,11 @@ class AutoPlan:
     def summary(self) -> dict:
         """What the benchmarks record: the plans tried, the step seconds that judged them (where one kind was
         left after the first pair, or for a kind pruned there: its faster step of that pair), the kinds left
-        after the first pair (0: coded, k: the k-th plan tried), what is in force."""
+        after the first pair and the model's choice (0: coded, k: the k-th plan tried), what is in force."""
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
-                "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left, "kept": self.kept,
+                "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left,
+                "model_choice": self.prior, "kept": self.kept,
                 "uncoded_now": self.coded is not None, "transport_now": self.transport,
                 "uncoded_wire_now": self.wire if self.coded is not None else None}
 

@@ -163,6 +163,7 @@ def test_pauses_are_left_out_of_a_kinds_step_and_the_models_choice_is_kept_unles
             seconds[i] = took
         _steps(p, seconds)
         assert [p._kind(i) for i in fp32_steps] == [1] * 6 and p.summary()["left_after_first_pair"] == [0, 2, 1]
+    assert noisy.summary()["model_choice"] == 1  # at 100 Gbit/s the model codes nothing: its plan in fp32
     assert noisy.verdict[1] == pytest.approx(0.0096) and noisy.kept == 0 and noisy.wire == "fp32"
     assert statistics.median(noisy.times[1]) == pytest.approx(0.0100)  # what the median of all six made of it
     assert coding.kept is None and coding.coded is None
