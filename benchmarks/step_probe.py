@@ -19,9 +19,10 @@ uncoded in that wire in force from the first planned step, untried (the wire's o
 or FP32, without the trial's choice); on one method, the suffix `+coded`, `+fp32` or `+fp16` puts that kind of
 the trial in force for it alone (every group coded as the model says, or every group uncoded in the wire), so
 that `ddp:fp32,ddp:terngrad:auto+coded,ddp:terngrad:auto+fp32,ddp:terngrad:auto+fp16 --interleave` times each
-kind auto can keep, side by side, over more steps than its trial has. Each method trains --steps steps on a fixed batch per rank; the median
-is over all but the first --warmup (50). Rank 0 prints a line per method; --early N adds each method's first N
-steps, one by one (where a trial's steps and a first step's set-up cost show).
+kind auto can keep, side by side, over more steps than its trial has. Each method trains --steps steps on a
+fixed batch per rank; the median is over all but the first --warmup (50). Rank 0 prints a line per method;
+--early N adds each method's first N steps, one by one (where a trial's steps and a first step's set-up cost
+show).
 """
 from __future__ import annotations
 
