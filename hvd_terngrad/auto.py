@@ -345,7 +345,7 @@ class AutoPlan:
         self.trials += [(chosen, None, wire) for wire in WIRES]
         self.times += [[] for _ in self.trials]
         # the model's side: the kinds that code every group where it does, else its plan's
-        codes_every = [k == 0 or c is None for k, (c, _, _) in enumerate([(None, None, "")] + self.trials)]
+        codes_every = [True] + [c is None for c, _, _ in self.trials]
         self.favoured = [k for k, every in enumerate(codes_every) if every == codes_all]
         if TRIAL_PAIRS == 0:  # tests: the first plan in force, untried
             self.kept, self.steps = 0, self.verdict_step
