@@ -226,8 +226,7 @@ def main(argv=None) -> int:
         check_methods(methods)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.uncoded or any(x in KINDS for method in methods for x in _suffixes(method)[1]):
-        _force_kinds()
+    _force_kinds()  # where a method has no kind forced, auto plans its trial as it would
     if args.spin_s is not None:
         import hvd_terngrad.collectives
 
