@@ -45,12 +45,14 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
   on the Python hook, the plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the coded
   kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the step
   after a coded one merges the coded step's residuals, in Python (AutoPlan._turns). A coded step then
-  carries every kind's step on each rank, and every rank keeps the kind whose slowest rank's step was the
-  shortest; but a kind on the other side of coding from the model (coding every group where the model's plan
-  leaves groups uncoded, or a plan where the model codes every group) only where it is more than MARGIN
-  shorter than the fastest kind on the model's side. Kinds closer than that the trial cannot tell apart, and
-  the model has judged that choice; it has not judged the wire of its plan (fp32 or fp16: what a byte costs
-  against a pass), which the trial's fastest decides.
+  carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
+  slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN, and
+  by CONFIDENCE standard errors at the noisiest rank's spread). The default is the fastest kind on the model's
+  side of coding (coding every group where the model does, else its plan), or there the plan in the wire the
+  front end runs on a faster path (AutoPlan.prefer: the DDP hook's C++ path, fp32). Kinds closer than that
+  the trial cannot tell apart, and the model, or the front end, has judged that choice; the model has not
+  judged the wire of its plan (fp32 or fp16: what a byte costs against a pass), which the trial's fastest
+  decides where the front end prefers neither.
 - After the first pair of rounds a coded step carries each kind's faster step of that pair, and the kinds
   slower than PRUNE times the fastest are tried no more: a kind far behind on both of its steps does not win
   the median of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take
@@ -72,6 +74,7 @@ leaves groups uncoded is in force, a group it has not seen goes uncoded too. Wit
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -98,15 +101,19 @@ PRUNE = 1.5
 # 0.94x DDP FP32 (docs/time-to-accuracy.md, "The trial's verdict: pauses left out, the model's side on a tie").
 PAUSE = 2.0
 # A kind on the other side of coding from the model (coding every group where its plan leaves groups uncoded,
-# or a plan where it codes every group) is kept only where its step is more than MARGIN shorter than the
-# fastest kind on the model's side. Six steps a kind do not tell closer kinds apart on a shared machine,
-# whose steps vary by 10% or more: forced side by side for 400 steps each, the DDP hook's kinds on lenet at
-# `fast` stepped within 6% of each other (the fp32 plan fastest, coding 1-4% behind it), and a trial kept
-# coding on 6 seeds of 10. The model's side is then kept, and a coded kind, which also costs steps to the
-# target, only where it clearly pays. Between the wires of its plan the model has no say (it does not know
-# what a byte costs against a pass), and the trial's fastest is kept: a margin there cost Horovod's NCF on
-# `fast` its fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32.
+# or a plan where it codes every group), or a wire other than the one the front end runs fastest (prefer), is
+# kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and by more
+# than CONFIDENCE standard errors of the difference of the two kinds' medians, taken from the trial's own noise
+# (AutoPlan._noise). Six steps a kind do not tell closer kinds apart on a shared machine: forced side by side
+# for 400 steps each, the DDP hook's kinds on lenet at `fast` stepped within 6% of each other (the fp32 plan
+# fastest, coding 1-4% behind it), while a trial step there varies by 12-15%, and a fixed margin of 5% still let
+# the trial keep coding or fp16 on half the seeds, which then trained 5-7% slower than DDP FP32. A quiet
+# machine's trial resolves a few percent, and there MARGIN alone applies. Where the model has no side (between
+# the wires of its plan: it does not know what a byte costs against a pass) and the front end prefers no wire,
+# the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its fp16 plan on 3 seeds of 10,
+# where its own fp32 plan steps behind Horovod's FP32.
 MARGIN = 0.05
+CONFIDENCE = 2.0
 
 
 def _verdict_step(plans: int, left: int | None = None) -> int:
@@ -166,15 +173,16 @@ class AutoPlan:
                             the kinds within PRUNE of the fastest are left (_prune); where one is, it is kept
         2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
         verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
-                            median of its steps in the trial (_trial_step); the fastest kind left is kept,
-                            one off the model's side of coding (favoured) only where it beats the fastest
-                            kind on that side by MARGIN
+                            median of its steps in the trial (_trial_step), and the trial's noise; the
+                            default kind (_default) is kept unless the fastest kind left is clearly faster
+                            (_clearly_faster)
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
     model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
 
     __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trials",
-                 "times", "step_end", "left", "favoured", "verdict", "kept", "coded", "transport", "wire")
+                 "times", "step_end", "left", "favoured", "prefer", "verdict", "noise", "kept", "coded", "transport",
+                 "wire")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -190,7 +198,9 @@ class AutoPlan:
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
+        self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
+        self.noise = 0.0  # the trial steps' relative spread on the noisiest rank (_noise), with the verdict
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
@@ -202,11 +212,12 @@ class AutoPlan:
     def summary(self) -> dict:
         """What the benchmarks record: the plans tried, the step seconds that judged them (where one kind was
         left after the first pair, or for a kind pruned there: its faster step of that pair), the kinds left
-        after the first pair and those on the model's side (0: coded, k: the k-th plan tried), what is in force."""
+        after the first pair and those on the model's side (0: coded, k: the k-th plan tried), the wire the front
+        end prefers, the trial's noise, what is in force."""
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
                 "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left,
-                "model_side": self.favoured, "kept": self.kept,
+                "model_side": self.favoured, "preferred_wire": self.prefer, "step_noise": self.noise, "kept": self.kept,
                 "uncoded_now": self.coded is not None, "transport_now": self.transport,
                 "uncoded_wire_now": self.wire if self.coded is not None else None}
 
@@ -246,19 +257,23 @@ class AutoPlan:
             # each kind's faster step of the first pair: the same before and after _prune, in every group alike
             return [min(t[:2]) for t in self.times]
         if self.steps == self.verdict_step:
-            return [_trial_step(t) for t in self.times]
+            return [_trial_step(t) for t in self.times] + [self._noise()]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
         the shortest window; or each kind's step on the slowest rank: its faster step of the first pair, or
-        its step over the trial."""
-        if self.steps == self.pruning_step and self.left is None and TRIAL_PAIRS > 1:  # more pairs follow
-            self._prune(values)
-        if self.steps == self.verdict_step:
-            self.verdict = tuple(values)
-        elif self.steps != self.pruning_step:
+        its step over the trial and the noisiest rank's noise."""
+        if self.steps == self.pruning_step and TRIAL_PAIRS > 1:  # each kind's faster step of the first pair
+            if self.left is None:
+                self._prune(values)
+            if self.steps == self.verdict_step:  # one kind left: kept now
+                self.verdict = tuple(values)
+        elif self.steps == self.verdict_step:
+            *steps, self.noise = values
+            self.verdict = tuple(steps)
+        else:
             self.agreed = (values[0], -values[1])
 
     def _prune(self, firsts: list[float]) -> None:
@@ -286,12 +301,9 @@ class AutoPlan:
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
         elif s == self.verdict_step and self.verdict is not None:
-            left = self.left if self.left is not None else range(len(self.verdict))
-            best = min(sorted(left), key=lambda k: self.verdict[k])
-            ours = [k for k in sorted(left) if k in self.favoured]
-            if ours and best not in ours:  # off the model's side: kept only where clearly faster (MARGIN)
-                mine = min(ours, key=lambda k: self.verdict[k])
-                best = best if self.verdict[best] < (1 - MARGIN) * self.verdict[mine] else mine
+            left = sorted(self.left if self.left is not None else range(len(self.verdict)))
+            best, default = min(left, key=lambda k: self.verdict[k]), self._default(left)
+            best = best if self._clearly_faster(best, default) else default
             self.kept = best - 1 if best else None
         self.steps += 1
         self._in_force(self.kept if self.decided else self._trying(self.steps))
@@ -314,10 +326,36 @@ class AutoPlan:
         """The kinds in a round's order: coded, then the plans as tried, but the plan that sends its uncoded
         groups in fp32 last. An fp32 step then follows an fp16 or fp32 one, never a coded one, whose residuals
         (error feedback) it would merge in Python, off the C++ path it runs on once kept (ddp._Native.steer)."""
-        def fp32_plan(k: int) -> bool:  # a plan (not every group coded) whose uncoded groups travel in fp32
-            return k > 0 and self.trials[k - 1][0] is not None and self.trials[k - 1][2] == "fp32"
+        return sorted(range(1 + len(self.trials)), key=lambda k: self._wire(k) == "fp32")
 
-        return sorted(range(1 + len(self.trials)), key=fp32_plan)
+    def _wire(self, k: int) -> str | None:
+        """The wire of kind k's uncoded groups where it is a plan (not every group coded), else None."""
+        return self.trials[k - 1][2] if k > 0 and self.trials[k - 1][0] is not None else None
+
+    def _default(self, left: list[int]) -> int:
+        """The kind kept unless another is clearly faster: among the kinds left on the model's side of coding
+        (all of them where none is), the plan in the wire the front end prefers, else the fastest."""
+        ours = [k for k in left if k in self.favoured] or left
+        preferred = [k for k in ours if self.prefer is not None and self._wire(k) == self.prefer]
+        return preferred[0] if preferred else min(ours, key=lambda k: self.verdict[k])
+
+    def _clearly_faster(self, a: int, b: int) -> bool:
+        """Whether kind a's step is shorter than kind b's by more than the trial can mistake (MARGIN,
+        CONFIDENCE): the standard error of a median of n steps is about 1.2533 sigma / sqrt(n)."""
+        if a == b:
+            return False
+        n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
+        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b)
+        return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
+
+    def _noise(self) -> float:
+        """This rank's trial noise: the spread (1.4826 times the median absolute deviation, sigma for a normal
+        law) of the steps of the kinds left, each relative to its kind's step (_trial_step), pauses left out."""
+        devs = []
+        for k in self.left if self.left is not None else range(len(self.times)):
+            step = _trial_step(self.times[k])
+            devs += [abs(t / step - 1) for t in self.times[k] if t <= PAUSE * min(self.times[k])]
+        return 1.4826 * statistics.median(devs) if devs else 0.0
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""

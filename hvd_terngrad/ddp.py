@@ -511,16 +511,20 @@ class _Native:
         they have completed, as the other kinds' steps end, so that the trial times each kind alike) or decided,
         where no residual of a coded step is left to merge (with error feedback, the fp32 step after a coded one
         merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose codec has
-        tg_scale. Otherwise terngrad_hook averages the next step."""
+        tg_scale. Otherwise terngrad_hook averages the next step. Where this path can run the fp32 plan, auto's
+        trial keeps another wire only where it is clearly faster (AutoPlan.prefer): on a fast link, the fp16 plan
+        in Python costs a step what any Python hook does, and the trial's six steps cannot resolve that."""
         if self.control.on and not self.at_end:  # the plan kept: nothing here changes (load_state_dict turns it off)
             return
         owner = self.owner()
         pipe = owner.pipeline
         backend = None
-        if owner._all_uncoded() == "fp32" and owner.process_group is None and owner._plain \
-                and not pipe.coder.feedback.worker:
+        if owner.process_group is None and owner._plain:
             backend = pipe.coder.codec.impl(torch.empty(0))  # the buckets' (on the CPU)
-        if not hasattr(backend, "scale_kernel"):
+        backend = backend if hasattr(backend, "scale_kernel") else None
+        if pipe.auto is not None and not pipe.auto.decided:  # this path runs the fp32 plan: auto's default wire
+            pipe.auto.prefer = "fp32" if backend is not None else None
+        if backend is None or owner._all_uncoded() != "fp32" or pipe.coder.feedback.worker:
             self.control.disable()
             return
         at_end = not pipe.auto.decided

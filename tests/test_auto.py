@@ -171,6 +171,34 @@ def test_pauses_are_left_out_of_a_kinds_step_and_coding_against_the_model_must_b
     assert wire.kept == 1 and wire.wire == "fp16"
 
 
+def _noisy(kinds: list[float], spread: float) -> list[float]:
+    """trial(kinds), its rounds' steps each moved by up to +-spread, in a pattern that favours no kind."""
+    w = [-1, 1, -0.5, 0.5, 0, -0.25, 0.25, 0.75, -0.75]
+    return [t * (1 + spread * w[i % len(w)]) if i >= PLAN_STEP else t for i, t in enumerate(trial(kinds))]
+
+
+def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trials_noise():
+    """The default kind is the model's side (at 100 Gbit/s it codes nothing: its plan), and there the plan in the
+    wire the front end prefers, if any. Where each step moves by up to 12% (lenet on the fast profile, 4 ranks on
+    2 cores), a kind 6-8% faster by its median is within what six steps a kind can mistake, and the default is
+    kept; where the steps move by 2%, MARGIN alone applies and the faster kind is kept. Without a preferred wire
+    the plan's faster wire is kept either way."""
+    def kept(kinds, spread, prefer=None):
+        p = AutoPlan()
+        p.prefer = prefer
+        _steps(p, _noisy(kinds, spread))
+        assert p.summary()["left_after_first_pair"] == [0, 2, 1] and p.summary()["model_side"] == [1, 2]
+        assert p.summary()["step_noise"] == p.noise and p.summary()["preferred_wire"] == prefer
+        return p
+
+    coding, fp16 = [0.0090, 0.0096, 0.0099], [0.0099, 0.0096, 0.0088]  # coding 6%, fp16 8% faster than fp32
+    quiet, noisy = kept(coding, 0.02), kept(coding, 0.12)
+    assert quiet.noise == pytest.approx(0.015, abs=0.005) and noisy.noise == pytest.approx(0.09, abs=0.01)
+    assert quiet.kept is None and noisy.kept == 0  # coded where steady; the plan (fp32, the faster wire) if not
+    assert kept(fp16, 0.02, "fp32").kept == 1 and kept(fp16, 0.12, "fp32").kept == 0
+    assert kept(fp16, 0.12).kept == 1
+
+
 def test_the_pruning_step_carries_the_same_values_in_every_group():
     """Groups of one step carry alike whether or not an earlier group's values came back (and pruned) already:
     a rank's groups, and the ranks, stay in agreement on the vector's length and values."""
@@ -437,7 +465,7 @@ def body_trial_with_cpp(port, error_feedback, prune):
         native, plan = state.native, state.connect().auto
         out.append((plan._kind(step) if plan.trials else None, native, train(step)))
     plan = state.pipeline.auto
-    summary = (plan.trials, [len(t) for t in plan.times], plan.kept, plan.verdict_step)
+    summary = (plan.trials, [len(t) for t in plan.times], plan.kept, plan.verdict_step, plan.prefer)
     del state, train
     _close_gloo()
     return out, summary
@@ -457,7 +485,8 @@ def test_auto_trials_its_fp32_plan_on_the_cpp_path_it_would_keep(error_feedback,
     _needs_cpp_hook()
     res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120, args=(port, error_feedback, prune))
     assert res[0] == res[1]  # the same kinds, paths, bits and verdict on both ranks
-    out, (trials, counts, kept, verdict) = res[0]
+    out, (trials, counts, kept, verdict, prefer) = res[0]
+    assert prefer == "fp32"  # the wire this path runs: kept unless another is clearly faster
     pairs = TRIAL_PAIRS if prune == float("inf") else 1
     assert [w for _, _, w in trials] == ["fp32", "fp16"] and counts == [2 * pairs] * 3, (trials, counts)
     assert verdict == PLAN_STEP + 2 * 3 * pairs + (pairs > 1), verdict  # the pruning step among them
