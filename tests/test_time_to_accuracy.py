@@ -155,3 +155,35 @@ def test_the_trial_cost_benchmark_averages_the_gap_at_each_evaluation():
     dipped = [(s, m - (2.0 if s == 92 else 0.0)) for s, m in fp32]
     gap = mean_gap([(fp32, dipped), (fp32, fp32)])
     assert gap.split()[:3] == ["0:+0.00", "46:+0.00", "92:-1.00"] and len(gap.split()) == 10, gap
+
+
+def test_auto_kinds_pairs_each_auto_run_with_its_front_ends_fp32_by_the_kind_kept(tmp_path, capsys):
+    """benchmarks.auto_kinds: an auto run against its own front end's FP32 on the same seed, grouped by the kind
+    its trial kept (the coded kind, a plan's wire, every group coded with one transport); runs without their
+    FP32 are left out."""
+    from benchmarks import auto_kinds
+
+    def auto(kept, tried=({"coding": [], "transport": None, "uncoded": "fp32"},
+                          {"coding": [], "transport": None, "uncoded": "fp16"}), noise=None):
+        return {"kept": kept, "tried": list(tried)} | ({} if noise is None else {"step_noise": noise})
+
+    def run(method, seed, seconds, a=None):
+        return {"task": "lenet", "profile": "fast", "method": method, "seed": seed, "seconds": seconds} | (
+            {"auto": a} if a else {})
+
+    runs = [run("ddp:fp32", 0, 10.0), run("ddp:terngrad:auto", 0, 12.5, auto(None, noise=0.1)),
+            run("ddp:fp32", 1, 9.0), run("ddp:terngrad:auto", 1, 9.0, auto(0, noise=0.2)),
+            run("fp32", 0, 8.0), run("terngrad:auto", 0, 5.0, auto(1)),
+            run("terngrad:auto", 1, 5.0, auto(0, [{"coding": "every group", "transport": "allgather"}])),
+            run("terngrad:auto", 2, 7.0, auto(0, [{"coding": ["bucket.0"], "transport": None, "uncoded": "fp16"}]))]
+    (tmp_path / "time_to_accuracy.json").write_text(json.dumps({"runs": runs}))
+    found = auto_kinds.rows([{"runs": runs}])
+    assert found == {("lenet", "fast", "ddp:terngrad:auto", "coded"): [(0.8, 0.1)],
+                     ("lenet", "fast", "ddp:terngrad:auto", "fp32"): [(1.0, 0.2)],
+                     ("lenet", "fast", "terngrad:auto", "fp16"): [(1.6, None)]}  # seeds 1, 2: no FP32 of theirs
+    assert auto_kinds.kept_kind(runs[6]["auto"]) == "coded (allgather)"
+    assert auto_kinds.kept_kind(runs[7]["auto"]) == "fp16 (some groups coded)"
+    assert auto_kinds.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| lenet | fast | ddp:terngrad:auto | coded | 1 | 0.80x (0.80-0.80) | 10.0% |" in out, out
+    assert "| lenet | fast | terngrad:auto | fp16 | 1 | 1.60x (1.60-1.60) | - |" in out, out
