@@ -106,12 +106,12 @@ PAUSE = 2.0
 # than CONFIDENCE standard errors of the difference of the two kinds' medians, taken from the trial's own noise
 # (AutoPlan._noise). Six steps a kind do not tell closer kinds apart on a shared machine: forced side by side
 # for 400 steps each, the DDP hook's kinds on lenet at `fast` stepped within 6% of each other (the fp32 plan
-# fastest, coding 1-4% behind it), while a trial step there varies by 12-15%, and a fixed margin of 5% still let
-# the trial keep coding or fp16 on half the seeds, which then trained 5-7% slower than DDP FP32. A quiet
+# fastest, coding 1-4% behind it), while its trial steps there spread by 4-12% (sigma), and a fixed margin of 5%
+# still let the trial keep coding or fp16 on half the seeds, which then trained 6-7% slower than DDP FP32. A quiet
 # machine's trial resolves a few percent, and there MARGIN alone applies. Where the model has no side (between
 # the wires of its plan: it does not know what a byte costs against a pass) and the front end prefers no wire,
 # the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its fp16 plan on 3 seeds of 10,
-# where its own fp32 plan steps behind Horovod's FP32.
+# where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md, "The trial's noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
 
