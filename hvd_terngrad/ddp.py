@@ -518,13 +518,11 @@ class _Native:
             return
         owner = self.owner()
         pipe = owner.pipeline
-        backend = None
-        if owner.process_group is None and owner._plain:
-            backend = pipe.coder.codec.impl(torch.empty(0))  # the buckets' (on the CPU)
-        backend = backend if hasattr(backend, "scale_kernel") else None
-        if pipe.auto is not None and not pipe.auto.decided:  # this path runs the fp32 plan: auto's default wire
+        fp32, trying = owner._all_uncoded() == "fp32", pipe.auto is not None and not pipe.auto.decided
+        backend = self._backend(owner) if fp32 or trying else None
+        if trying:  # where this path runs the fp32 plan, its wire is auto's default
             pipe.auto.prefer = "fp32" if backend is not None else None
-        if backend is None or owner._all_uncoded() != "fp32" or pipe.coder.feedback.worker:
+        if backend is None or not fp32 or pipe.coder.feedback.worker:
             self.control.disable()
             return
         at_end = not pipe.auto.decided
@@ -532,6 +530,15 @@ class _Native:
             size = owner.world.size
             self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), pipe.step, at_end)
             self.at_end = at_end
+
+    @staticmethod
+    def _backend(owner: TernGradState):
+        """The buckets' codec backend where this path can average them (the hook's own group, every bucket a
+        contiguous fp32 buffer on the CPU, a codec with tg_scale), else None."""
+        if owner.process_group is not None or not owner._plain:
+            return None
+        backend = owner.pipeline.coder.codec.impl(torch.empty(0))  # the buckets' (on the CPU)
+        return backend if hasattr(backend, "scale_kernel") else None
 
     def layout(self, bucket: dist.GradBucket) -> tuple:
         """A bucket's new layout: (the positions where its average can carry a marker, or None to read it all;
