@@ -5,12 +5,13 @@ times: where a front end's own time goes, beside Horovod's and DDP's FP32.
         python -m benchmarks.step_probe --task ncf --methods fp32,float,terngrad:auto,ddp:fp32,ddp:terngrad:auto
 
 Methods are named as everywhere (hvd_terngrad/methods.py), plus `float`: hvd_terngrad's optimizer with every
-tensor left in float, nothing coded (the front end's own cost), and `ddp:python`: DDP FP32 through torch's own
-Python `allreduce_hook` (what any Python hook costs against DDP's C++ allreduce). Three suffixes on a Horovod
-TernGrad method (or `float`) change one of its costs, to measure it, not to train with: `+unchecked` leaves
-its float averages unchecked (on_nonfinite="propagate"), `+naps` makes its waits nap 1 ms between polls from
-the start, and `+spins` makes them spin to the end, as hvd.synchronize() does, where they spin 20 ms and then
-nap (hvd_terngrad.collectives). A method named twice runs twice;
+tensor left in float, nothing coded (the front end's own cost), `ddp:python`: DDP FP32 through torch's own
+Python `allreduce_hook` (what any Python hook costs against DDP's C++ allreduce), and `ddp:fp16c`: DDP with
+torch's built-in fp16 compression hook, in C++ (what half the bytes buy DDP with no Python on the way). Three
+suffixes on a Horovod TernGrad method (or `float`) change one of its costs, to measure it, not to train
+with: `+unchecked` leaves its float averages unchecked (on_nonfinite="propagate"), `+naps` makes its waits
+nap 1 ms between polls from the start, and `+spins` makes them spin to the end, as hvd.synchronize() does,
+where they spin 20 ms and then nap (hvd_terngrad.collectives). A method named twice runs twice;
 `fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them side by
 side in one job, each order both ways. --interleave builds every method first and then takes one step of each
 in turn, so that the machine's drift over a job (its steps moved by 10-20% between methods run one after
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 
 SUFFIXES = ("+unchecked", "+naps", "+spins")
 KINDS = ("+coded", "+fp32", "+fp16")  # auto's kind forced (any front end's transport="auto")
-EXTRA = ("float", "ddp:python")  # the methods this probe adds to hvd_terngrad.methods
+EXTRA = ("float", "ddp:python", "ddp:fp16c")  # the methods this probe adds to hvd_terngrad.methods
 
 
 def build(method: str, model, data):
@@ -49,11 +50,14 @@ def build(method: str, model, data):
     method, suffixes = _suffixes(method)
     options = {"on_nonfinite": "propagate"} if "+unchecked" in suffixes else {}
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if method == "ddp:python":
+    if method in ("ddp:python", "ddp:fp16c"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         module = torch.nn.parallel.DistributedDataParallel(model)
-        module.register_comm_hook(None, default_hooks.allreduce_hook)
+        if method == "ddp:python":
+            module.register_comm_hook(None, default_hooks.allreduce_hook)
+        else:  # torch's fp16 compression in C++: what a C++ path buys the hook's fp16 plan
+            module._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.FP16_COMPRESS)
         return module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9), None
     if method == "float":
         tg = hvd_terngrad.TernGrad(min_numel=2**62, **options)
@@ -88,7 +92,7 @@ def check_methods(methods: list[str]) -> None:
         suffixes = [x for x in suffixes if x not in KINDS]
         if any(x not in SUFFIXES for x in suffixes):
             raise ValueError(f"{method}: the suffixes are {', '.join(SUFFIXES + KINDS)}")
-        if suffixes and (base == "ddp:python" or m is not None and not _ours(m)):
+        if suffixes and (base.startswith("ddp:") and m is None or m is not None and not _ours(m)):
             raise ValueError(f"{method}: {', '.join(SUFFIXES)} go on hvd_terngrad's optimizer only")
         if len(kinds) > 1 or kinds and (m is None or m.transport != "auto"):
             raise ValueError(f"{method}: one of {', '.join(KINDS)}, on a method with transport auto")

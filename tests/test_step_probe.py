@@ -14,9 +14,9 @@ def _waits():
 
 def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
     step_probe.check_methods(["fp32", "float+unchecked", "terngrad:auto+unchecked+naps", "terngrad+naps",
-                              "ddp:python"])
+                              "ddp:python", "ddp:fp16c"])
     for bad, says in [("fp32+unchecked", "optimizer only"), ("ddp:terngrad:auto+naps", "optimizer only"),
-                      ("ddp:python+naps", "optimizer only"),
+                      ("ddp:python+naps", "optimizer only"), ("ddp:fp16c+unchecked", "optimizer only"),
                       ("terngrad:stock+unchecked", "optimizer only"), ("terngrad:auto+fast", "the suffixes are"),
                       ("terngrad:nope", "unknown|modifiers")]:
         with pytest.raises(ValueError, match=says):
