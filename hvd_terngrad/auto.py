@@ -104,7 +104,7 @@ PAUSE = 2.0
 # or a plan where it codes every group), or a wire other than the one the front end runs fastest (prefer), is
 # kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and by more
 # than CONFIDENCE standard errors of the difference of the two kinds' medians, taken from the trial's own noise
-# (AutoPlan._noise). Six steps a kind do not tell closer kinds apart on a shared machine: forced side by side
+# (_trial_noise). Six steps a kind do not tell closer kinds apart on a shared machine: forced side by side
 # for 400 steps each, the DDP hook's kinds on lenet at `fast` stepped within 6% of each other (the fp32 plan
 # fastest, coding 1-4% behind it), while its trial steps there spread by 4-12% (sigma), and a fixed margin of 5%
 # still let the trial keep coding or fp16 on half the seeds, which then trained 6-7% slower than DDP FP32. A quiet
@@ -200,7 +200,7 @@ class AutoPlan:
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
         self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
-        self.noise = 0.0  # the trial steps' relative spread on the noisiest rank (_noise), with the verdict
+        self.noise = 0.0  # the trial steps' relative spread on the noisiest rank (_trial_noise), with the verdict
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
@@ -257,7 +257,8 @@ class AutoPlan:
             # each kind's faster step of the first pair: the same before and after _prune, in every group alike
             return [min(t[:2]) for t in self.times]
         if self.steps == self.verdict_step:
-            return [_trial_step(t) for t in self.times] + [self._noise()]
+            left = self.left if self.left is not None else range(len(self.times))
+            return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in left])]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
@@ -348,15 +349,6 @@ class AutoPlan:
         error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b)
         return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
 
-    def _noise(self) -> float:
-        """This rank's trial noise: the spread (1.4826 times the median absolute deviation, sigma for a normal
-        law) of the steps of the kinds left, each relative to its kind's step (_trial_step), pauses left out."""
-        devs = []
-        for k in self.left if self.left is not None else range(len(self.times)):
-            step = _trial_step(self.times[k])
-            devs += [abs(t / step - 1) for t in self.times[k] if t <= PAUSE * min(self.times[k])]
-        return 1.4826 * statistics.median(devs) if devs else 0.0
-
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
         k = self._kind(step)
@@ -394,3 +386,11 @@ def _trial_step(times: list[float]) -> float:
     module docstring)."""
     fastest = min(times)
     return statistics.median([t for t in times if t <= PAUSE * fastest])
+
+
+def _trial_noise(kinds: list[list[float]]) -> float:
+    """A rank's trial noise, from the trial steps of the kinds left: the spread (1.4826 times the median absolute
+    deviation, sigma for a normal law) of their steps, each relative to its kind's step (_trial_step), pauses
+    left out."""
+    devs = [abs(t / _trial_step(times) - 1) for times in kinds for t in times if t <= PAUSE * min(times)]
+    return 1.4826 * statistics.median(devs) if devs else 0.0
