@@ -257,8 +257,7 @@ class AutoPlan:
             # each kind's faster step of the first pair: the same before and after _prune, in every group alike
             return [min(t[:2]) for t in self.times]
         if self.steps == self.verdict_step:
-            left = self.left if self.left is not None else range(len(self.times))
-            return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in left])]
+            return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in self._left()])]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
 
@@ -302,7 +301,7 @@ class AutoPlan:
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
         elif s == self.verdict_step and self.verdict is not None:
-            left = sorted(self.left if self.left is not None else range(len(self.verdict)))
+            left = sorted(self._left())
             best, default = min(left, key=lambda k: self.verdict[k]), self._default(left)
             best = best if self._clearly_faster(best, default) else default
             self.kept = best - 1 if best else None
@@ -328,6 +327,10 @@ class AutoPlan:
         groups in fp32 last. An fp32 step then follows an fp16 or fp32 one, never a coded one, whose residuals
         (error feedback) it would merge in Python, off the C++ path it runs on once kept (ddp._Native.steer)."""
         return sorted(range(1 + len(self.trials)), key=lambda k: self._wire(k) == "fp32")
+
+    def _left(self) -> list[int]:
+        """The kinds still tried (_prune): every kind before the pruning step, or where none was pruned."""
+        return self.left if self.left is not None else list(range(1 + len(self.trials)))
 
     def _wire(self, k: int) -> str | None:
         """The wire of kind k's uncoded groups where it is a plan (not every group coded), else None."""
@@ -381,16 +384,25 @@ class AutoPlan:
             self.kept, self.steps = 0, self.verdict_step
 
 
+def _unpaused(times: list[float]) -> list[float]:
+    """A kind's trial steps within PAUSE of its fastest: a pause between two steps is not its speed."""
+    fastest = min(times)
+    return [t for t in times if t <= PAUSE * fastest]
+
+
 def _trial_step(times: list[float]) -> float:
     """A kind's step from its trial steps, one a round: the median of those within PAUSE of its fastest (the
     module docstring)."""
-    fastest = min(times)
-    return statistics.median([t for t in times if t <= PAUSE * fastest])
+    return statistics.median(_unpaused(times))
 
 
 def _trial_noise(kinds: list[list[float]]) -> float:
     """A rank's trial noise, from the trial steps of the kinds left: the spread (1.4826 times the median absolute
     deviation, sigma for a normal law) of their steps, each relative to its kind's step (_trial_step), pauses
     left out."""
-    devs = [abs(t / _trial_step(times) - 1) for times in kinds for t in times if t <= PAUSE * min(times)]
+    devs = []
+    for times in kinds:
+        steps = _unpaused(times)
+        step = statistics.median(steps)
+        devs += [abs(t / step - 1) for t in steps]
     return 1.4826 * statistics.median(devs) if devs else 0.0
