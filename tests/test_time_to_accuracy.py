@@ -187,3 +187,28 @@ def test_auto_kinds_pairs_each_auto_run_with_its_front_ends_fp32_by_the_kind_kep
     out = capsys.readouterr().out
     assert "| lenet | fast | ddp:terngrad:auto | coded | 1 | 0.80x (0.80-0.80) | 10.0% |" in out, out
     assert "| lenet | fast | terngrad:auto | fp16 | 1 | 1.60x (1.60-1.60) | - |" in out, out
+
+
+def test_seed_hits_marks_each_seeds_hit_against_its_fp32_and_counts_each_seed_once(tmp_path, capsys):
+    """benchmarks.seed_hits: per results folder, each seed's run hit the target (FP32's final less 0.5 pp, here
+    96.5) at a later, the same or a sooner evaluation than its front end's FP32 on that seed; the sign test
+    counts a seed once, its marks summed over the folders."""
+    from benchmarks import seed_hits
+
+    def curve(hit_step):  # reaches 97 at hit_step (None: never)
+        return [(0, 0, 10.0), (1, 5, 97.0 if hit_step == 5 else 90.0), (2, 10, 97.0 if hit_step else 95.0)]
+
+    def job(auto_hits):
+        runs = [_run("ddp:fp32", s, curve(10), profile="fast") for s in range(3)]
+        return runs + [_run("ddp:terngrad:auto", s, curve(h), profile="fast") for s, h in enumerate(auto_hits)]
+
+    first, second = job([None, 5, 10]), job([None, 10, 5])
+    assert seed_hits.hits(first) == {("lenet", "fast", "ddp:terngrad:auto"): {0: None, 1: -1, 2: 0}}
+    assert seed_hits.sign_test(7, 2) == pytest.approx(92 / 512) and seed_hits.sign_test(0, 0) == 1.0
+    for name, runs in (("one", first), ("two", second)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "time_to_accuracy.json").write_text(json.dumps({"runs": runs}))
+    assert seed_hits.main([str(tmp_path / "one"), str(tmp_path / "two")]) == 0
+    out = capsys.readouterr().out
+    assert "| one |  -  s  = | 0 / 1 / 1 |" in out and "| two |  -  =  s | 0 / 1 / 1 |" in out, out
+    assert "Seeds later on balance: 0, sooner: 2, even: 1; sign test over the seeds, p = 0.50" in out, out
