@@ -62,12 +62,16 @@ def table(found: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def read_results(argv, doc: str) -> list[tuple[str, dict]]:
+    """The results named on a command line (folders, or their time_to_accuracy.json): (folder name, results)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="results folders (or their time_to_accuracy.json)")
-    args = ap.parse_args(argv)
-    paths = [Path(p) / "time_to_accuracy.json" if Path(p).is_dir() else Path(p) for p in args.results]
-    print(table(rows([json.loads(p.read_text()) for p in paths])))
+    paths = [Path(p) / "time_to_accuracy.json" if Path(p).is_dir() else Path(p) for p in ap.parse_args(argv).results]
+    return [(p.parent.name, json.loads(p.read_text())) for p in paths]
+
+
+def main(argv=None) -> int:
+    print(table(rows([res for _, res in read_results(argv, __doc__)])))
     return 0
 
 

@@ -12,13 +12,10 @@ asks whether the method reaches the target later than FP32 on seeds in general.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from collections import defaultdict
-from pathlib import Path
 
-from benchmarks.auto_kinds import fp32_of
+from benchmarks.auto_kinds import fp32_of, read_results
 from benchmarks.time_to_accuracy import reached_at, target
 
 MARKS = {1: "L", 0: "=", -1: "s", None: "-"}
@@ -78,11 +75,7 @@ def table(named: list[tuple[str, list[dict]]]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="results folders (or their time_to_accuracy.json)")
-    args = ap.parse_args(argv)
-    paths = [Path(p) / "time_to_accuracy.json" if Path(p).is_dir() else Path(p) for p in args.results]
-    print(table([(p.parent.name, json.loads(p.read_text())["runs"]) for p in paths]))
+    print(table([(name, res["runs"]) for name, res in read_results(argv, __doc__)]))
     return 0
 
 
