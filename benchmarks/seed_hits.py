@@ -27,13 +27,13 @@ def hits(runs: list[dict]) -> dict:
     against their own target (benchmarks.time_to_accuracy.target)."""
     out: dict = defaultdict(dict)
     ref = {(r["task"], r["profile"], r["method"], r["seed"]): r for r in runs}
-    goals: dict = {}
+    goals = {where: target(runs, *where) for where in {(r["task"], r["profile"]) for r in runs}}
     for r in runs:
         fp32 = ref.get((r["task"], r["profile"], fp32_of(r["method"]), r["seed"]))
         if fp32 is None or fp32 is r or r["method"] == "local":
             continue
         where = (r["task"], r["profile"])
-        goal = goals[where] if where in goals else goals.setdefault(where, target(runs, *where))
+        goal = goals[where]
         a, b = (None, None) if goal is None else (reached_at(r, goal), reached_at(fp32, goal))
         out[(*where, r["method"])][r["seed"]] = None if a is None or b is None else (a[1] > b[1]) - (a[1] < b[1])
     return dict(out)
@@ -62,9 +62,8 @@ def table(named: list[tuple[str, list[dict]]]) -> str:
                   "|---|---|---|"]
         votes: dict = defaultdict(int)
         for name, by_seed in folders.items():
-            marks = [by_seed.get(s, "") for s in seeds]
-            counts = [sum(m == v for m in marks) for v in (1, 0, -1)]
-            lines.append(f"| {name} | " + " ".join(f"{MARKS.get(m, ' '):>2}" if m != "" else "  " for m in marks)
+            counts = [sum(m == v for m in by_seed.values()) for v in (1, 0, -1)]
+            lines.append(f"| {name} | " + " ".join(f"{MARKS[by_seed[s]] if s in by_seed else ' ':>2}" for s in seeds)
                          + " | " + " / ".join(map(str, counts)) + " |")
             for s, m in by_seed.items():
                 votes[s] += m or 0
