@@ -33,16 +33,22 @@ def fp32_of(method: str) -> str:
     return "ddp:fp32" if method.startswith("ddp:") else "fp32"
 
 
+def with_fp32(runs: list[dict]):
+    """(run, its front end's FP32 run on the same task, profile and seed) for every other run that has one."""
+    ref = {(r["task"], r["profile"], r["method"], r["seed"]): r for r in runs}
+    for r in runs:
+        fp32 = ref.get((r["task"], r["profile"], fp32_of(r["method"]), r["seed"]))
+        if fp32 is not None and fp32 is not r:
+            yield r, fp32
+
+
 def rows(results: list[dict]) -> dict:
     """(task, profile, method, kind) -> [(FP32's training seconds over the run's, the trial's noise or None)],
     over every auto run whose FP32 ran in the same results, on the same seed."""
     out = defaultdict(list)
     for res in results:
-        runs = res["runs"]
-        ref = {(r["task"], r["profile"], r["method"], r["seed"]): r for r in runs}
-        for r in runs:
-            fp32 = ref.get((r["task"], r["profile"], fp32_of(r["method"]), r["seed"]))
-            if not r.get("auto") or fp32 is None or r is fp32:
+        for r, fp32 in with_fp32(res["runs"]):
+            if not r.get("auto"):
                 continue
             key = (r["task"], r["profile"], r["method"], kept_kind(r["auto"]))
             out[key].append((fp32["seconds"] / r["seconds"], r["auto"].get("step_noise")))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from benchmarks.auto_kinds import fp32_of, read_results
+from benchmarks.auto_kinds import read_results, with_fp32
 from benchmarks.time_to_accuracy import reached_at, target
 
 MARKS = {1: "L", 0: "=", -1: "s", None: "-"}
@@ -26,11 +26,9 @@ def hits(runs: list[dict]) -> dict:
     evaluation, -1 sooner, None where either misses the target}, for every non-FP32 method of these runs,
     against their own target (benchmarks.time_to_accuracy.target)."""
     out: dict = defaultdict(dict)
-    ref = {(r["task"], r["profile"], r["method"], r["seed"]): r for r in runs}
     goals = {where: target(runs, *where) for where in {(r["task"], r["profile"]) for r in runs}}
-    for r in runs:
-        fp32 = ref.get((r["task"], r["profile"], fp32_of(r["method"]), r["seed"]))
-        if fp32 is None or fp32 is r or r["method"] == "local":
+    for r, fp32 in with_fp32(runs):
+        if r["method"] == "local":
             continue
         where = (r["task"], r["profile"])
         goal = goals[where]
