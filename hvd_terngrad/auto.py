@@ -46,13 +46,13 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
   kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the step
   after a coded one merges the coded step's residuals, in Python (AutoPlan._turns). A coded step then
   carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
-  slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN, and
-  by CONFIDENCE standard errors at the noisiest rank's spread). The default is the fastest kind on the model's
-  side of coding (coding every group where the model does, else its plan), or there the plan in the wire the
-  front end runs on a faster path (AutoPlan.prefer: the DDP hook's C++ path, fp32). Kinds closer than that
-  the trial cannot tell apart, and the model, or the front end, has judged that choice; the model has not
-  judged the wire of its plan (fp32 or fp16: what a byte costs against a pass), which the trial's fastest
-  decides where the front end prefers neither.
+  slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN;
+  over the front end's preferred wire, also by CONFIDENCE standard errors at the noisiest rank's spread). The
+  default is the fastest kind on the model's side of coding (coding every group where the model does, else its
+  plan), or there the plan in the wire the front end runs on a faster path (AutoPlan.prefer: the DDP hook's
+  C++ path, fp32). Kinds closer than that the trial cannot tell apart, and the model, or the front end, has
+  judged that choice; the model has not judged the wire of its plan (fp32 or fp16: what a byte costs against
+  a pass), which the trial's fastest decides where the front end prefers neither.
 - After the first pair of rounds a coded step carries each kind's faster step of that pair, and the kinds
   slower than PRUNE times the fastest are tried no more: a kind far behind on both of its steps does not win
   the median of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take
@@ -102,16 +102,23 @@ PRUNE = 1.5
 PAUSE = 2.0
 # A kind on the other side of coding from the model (coding every group where its plan leaves groups uncoded,
 # or a plan where it codes every group), or a wire other than the one the front end runs fastest (prefer), is
-# kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and by more
-# than CONFIDENCE standard errors of the difference of the two kinds' medians, taken from the trial's own noise
-# (_trial_noise). Six steps a kind do not tell closer kinds apart on a shared machine: forced side by side
-# for 400 steps each, the DDP hook's kinds on lenet at `fast` stepped within 6% of each other (the fp32 plan
-# fastest, coding 1-4% behind it), while its trial steps there spread by 4-12% (sigma), and a fixed margin of 5%
-# still let the trial keep coding or fp16 on half the seeds, which then trained 6-7% slower than DDP FP32. A quiet
-# machine's trial resolves a few percent, and there MARGIN alone applies. Where the model has no side (between
-# the wires of its plan: it does not know what a byte costs against a pass) and the front end prefers no wire,
-# the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its fp16 plan on 3 seeds of 10,
-# where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md, "The trial's noise").
+# kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and where the
+# default is the front end's preferred wire, by more than CONFIDENCE standard errors of the difference of the two
+# kinds' medians, taken from the trial's own noise (_trial_noise). Six steps a kind do not tell closer kinds
+# apart on a shared machine: forced side by side for 400 steps each, the DDP hook's kinds on lenet at `fast`
+# stepped within 6% of each other (the fp32 plan fastest, coding 1-4% behind it), while its trial steps there
+# spread by 4-12% (sigma), and a fixed margin of 5% still let the trial keep coding or fp16 on half the seeds,
+# which then trained 6-7% slower than DDP FP32. That default is a measured fact about the front end (its C++
+# path), which six noisy steps should not overturn. The model's side is the model's judgement, which the trial
+# is there to check (it leaves out what a byte costs the CPU, and misjudges a small model's latency-bound
+# steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's NCF at 1 Gbit/s (the model codes
+# every group; its trial steps spread by 17-31%) kept coding on 4 seeds of 10 where its fp16 plan stepped
+# 22-33% faster, and trained 1.7x as long on them (docs/time-to-accuracy.md, "NCF at 1 Gbit/s on fresh
+# seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where the model has
+# no side (between the wires of its plan: it does not know what a byte costs against a pass) and the front end
+# prefers no wire, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its fp16 plan on 3
+# seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md, "The trial's
+# noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
 
@@ -340,17 +347,24 @@ class AutoPlan:
         """The kind kept unless another is clearly faster: among the kinds left on the model's side of coding
         (all of them where none is), the plan in the wire the front end prefers, else the fastest."""
         ours = [k for k in left if k in self.favoured] or left
-        preferred = [k for k in ours if self.prefer is not None and self._wire(k) == self.prefer]
+        preferred = [k for k in ours if self._preferred(k)]
         return preferred[0] if preferred else min(ours, key=lambda k: self.verdict[k])
 
+    def _preferred(self, k: int) -> bool:
+        """Whether kind k is the plan in the wire the front end runs on a faster path (prefer)."""
+        return self.prefer is not None and self._wire(k) == self.prefer
+
     def _clearly_faster(self, a: int, b: int) -> bool:
-        """Whether kind a's step is shorter than kind b's by more than the trial can mistake (MARGIN,
-        CONFIDENCE): the standard error of a median of n steps is about 1.2533 sigma / sqrt(n)."""
+        """Whether kind a's step is shorter than the default kind b's by more than the trial can mistake: by
+        MARGIN, and where b is the front end's preferred wire, by CONFIDENCE standard errors (the standard error
+        of a median of n steps is about 1.2533 sigma / sqrt(n))."""
         if a == b:
             return False
-        n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
-        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b)
-        return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
+        bound = MARGIN
+        if self._preferred(b):
+            n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
+            bound = max(MARGIN, CONFIDENCE * 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b))
+        return self.verdict[a] < (1 - bound) * self.verdict[b]
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""

@@ -180,9 +180,10 @@ def _noisy(kinds: list[float], spread: float) -> list[float]:
 def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trials_noise():
     """The default kind is the model's side (at 100 Gbit/s it codes nothing: its plan), and there the plan in the
     wire the front end prefers, if any. Where each step moves by up to 12% (lenet on the fast profile, 4 ranks on
-    2 cores), a kind 6-8% faster by its median is within what six steps a kind can mistake, and the default is
-    kept; where the steps move by 2%, MARGIN alone applies and the faster kind is kept. Without a preferred wire
-    the plan's faster wire is kept either way."""
+    2 cores), a kind 6-8% faster by its median is within what six steps a kind can mistake, and the preferred
+    wire is kept; where the steps move by 2%, MARGIN alone applies and the faster kind is kept. Without a
+    preferred wire MARGIN alone applies however noisy the trial: coding, 6% faster, is kept, and between the
+    plan's wires the faster."""
     def kept(kinds, spread, prefer=None):
         p = AutoPlan()
         p.prefer = prefer
@@ -192,11 +193,24 @@ def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trial
         return p
 
     coding, fp16 = [0.0090, 0.0096, 0.0099], [0.0099, 0.0096, 0.0088]  # coding 6%, fp16 8% faster than fp32
-    quiet, noisy = kept(coding, 0.02), kept(coding, 0.12)
+    quiet, noisy = kept(coding, 0.02, "fp32"), kept(coding, 0.12, "fp32")
     assert quiet.noise == pytest.approx(0.015, abs=0.005) and noisy.noise == pytest.approx(0.09, abs=0.01)
-    assert quiet.kept is None and noisy.kept == 0  # coded where steady; the plan (fp32, the faster wire) if not
+    assert quiet.kept is None and noisy.kept == 0  # coded where steady; the preferred fp32 plan if not
+    assert kept(coding, 0.12).kept is None  # against the model's side alone, MARGIN
     assert kept(fp16, 0.02, "fp32").kept == 1 and kept(fp16, 0.12, "fp32").kept == 0
     assert kept(fp16, 0.12).kept == 1
+
+
+def test_against_the_models_side_margin_alone_applies_however_noisy_the_trial():
+    """Horovod's NCF at 1 Gbit/s: the model codes every group, and the fp16 plan steps faster than coding, by more
+    than MARGIN, in a trial whose steps spread by about 23%. The model's side is a judgement the trial is there to
+    check, so the plan is kept; two standard errors of that noise (about 33%) kept coding there on 4 seeds of 10,
+    where the fp16 plan stepped 22-33% faster."""
+    p = AutoPlan()
+    _steps(p, _noisy([0.0077, 0.0081, 0.0060], 0.30), size=2, gbps=0.008)
+    assert p.summary()["model_side"] == [0] and p.summary()["left_after_first_pair"] == [0, 2]
+    assert p.noise == pytest.approx(0.23, abs=0.02) and p.verdict[2] < 0.95 * p.verdict[0]
+    assert p.kept == 1 and p.wire == "fp16" and p.uncoded("bucket.0")
 
 
 def test_the_pruning_step_carries_the_same_values_in_every_group():
