@@ -355,16 +355,11 @@ class AutoPlan:
         return self.prefer is not None and self._wire(k) == self.prefer
 
     def _clearly_faster(self, a: int, b: int) -> bool:
-        """Whether kind a's step is shorter than the default kind b's by more than the trial can mistake: by
-        MARGIN, and where b is the front end's preferred wire, by CONFIDENCE standard errors (the standard error
-        of a median of n steps is about 1.2533 sigma / sqrt(n))."""
-        if a == b:
-            return False
-        bound = MARGIN
-        if self._preferred(b):
-            n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
-            bound = max(MARGIN, CONFIDENCE * 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b))
-        return self.verdict[a] < (1 - bound) * self.verdict[b]
+        """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
+        against the preferred wire CONFIDENCE standard errors (a median of n steps: about 1.2533 sigma / sqrt(n))."""
+        n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
+        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if self._preferred(b) else 0.0
+        return a != b and self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
