@@ -207,7 +207,8 @@ class AutoPlan:
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
         self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
-        self.noise = 0.0  # the trial steps' relative spread on the noisiest rank (_trial_noise), with the verdict
+        self.noise: float | None = None  # the trial steps' relative spread on the noisiest rank (_trial_noise),
+        # with the verdict; None where one kind was left after the first pair (no spread about kinds to compare)
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
@@ -220,7 +221,7 @@ class AutoPlan:
         """What the benchmarks record: the plans tried, the step seconds that judged them (where one kind was
         left after the first pair, or for a kind pruned there: its faster step of that pair), the kinds left
         after the first pair and those on the model's side (0: coded, k: the k-th plan tried), the wire the front
-        end prefers, the trial's noise, what is in force."""
+        end prefers, the trial's noise (None where not measured), what is in force."""
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
                 "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left,
@@ -357,9 +358,11 @@ class AutoPlan:
     def _clearly_faster(self, a: int, b: int) -> bool:
         """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
         against the preferred wire CONFIDENCE standard errors (a median of n steps: about 1.2533 sigma / sqrt(n))."""
+        if a == b:
+            return False
         n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
         error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if self._preferred(b) else 0.0
-        return a != b and self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
+        return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
 
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""

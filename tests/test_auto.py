@@ -127,6 +127,7 @@ def test_a_kind_far_behind_after_the_first_pair_is_tried_no_more():
     assert len(coded) == 4  # the first pair's 2, the pruning step, the verdict's (7 without pruning: `even`)
     assert alone.summary()["left_after_first_pair"] == [1] and alone.kept == 0 and alone.wire == "fp32"
     assert alone.verdict_step == alone.pruning_step == PLAN_STEP + 2 * 3 and alone.decided
+    assert alone.summary()["step_noise"] is None and even.summary()["step_noise"] >= 0.0  # no kinds to compare: none
     assert even.summary()["left_after_first_pair"] == [0, 2, 1] and even.kept == 0 and even.wire == "fp32"
 
 
