@@ -207,8 +207,7 @@ class AutoPlan:
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
         self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
-        self.noise: float | None = None  # the trial steps' relative spread on the noisiest rank (_trial_noise),
-        # with the verdict; None where one kind was left after the first pair (no spread about kinds to compare)
+        self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: one kind left
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
