@@ -111,14 +111,13 @@ PAUSE = 2.0
 # which then trained 6-7% slower than DDP FP32. That default is a measured fact about the front end (its C++
 # path), which six noisy steps should not overturn. The model's side is the model's judgement, which the trial
 # is there to check (it leaves out what a byte costs the CPU, and misjudges a small model's latency-bound
-# steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's NCF at 1 Gbit/s (the model codes
-# every group; its trial steps spread by 17-31%) kept coding on 4 seeds of 10 where its fp16 plan stepped
-# 22-33% faster, and trained 1.7x as long on them (docs/time-to-accuracy.md, "NCF at 1 Gbit/s on fresh
-# seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where the model has
-# no side (between the wires of its plan: it does not know what a byte costs against a pass) and the front end
-# prefers no wire, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its fp16 plan on 3
-# seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md, "The trial's
-# noise").
+# steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's noisy NCF trials at 1 Gbit/s kept
+# coding on 4 seeds of 10 where the fp16 plan stepped a quarter faster (docs/time-to-accuracy.md, "NCF at 1
+# Gbit/s on fresh seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where
+# the model has no side (between the wires of its plan: it does not know what a byte costs against a pass) and
+# the front end prefers no wire, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its
+# fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md,
+# "The trial's noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
 
@@ -207,7 +206,7 @@ class AutoPlan:
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
         self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
-        self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: one kind left
+        self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: unmeasured
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
