@@ -11,9 +11,10 @@ on every kind alike; rank 0 prints each round's median, in ms. Horovod's allredu
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
+
+from benchmarks.cluster import init_gloo
 
 KINDS = (("gloo", "float32"), ("gloo", "float16"), ("gloo", "bfloat16"), ("horovod", "float32"),
          ("horovod", "float16"))
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--numel", type=int, default=102_305)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--port", type=int, default=29544)
+    ap.add_argument("--port", type=int, help="the gloo group's (default: MASTER_PORT, else 29533)")
     args = ap.parse_args(argv)
 
     import horovod.torch as hvd
@@ -52,8 +53,7 @@ def main(argv=None) -> int:
 
     hvd.init()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{args.port}",
-                            rank=hvd.rank(), world_size=hvd.size())
+    init_gloo(hvd, args.port)
     got = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):
         for kind in KINDS:

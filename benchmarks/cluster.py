@@ -49,6 +49,16 @@ PROFILES = {
 }
 
 
+def init_gloo(hvd, port: int | None = None) -> None:
+    """torch.distributed's gloo group over Horovod's ranks (hvd initialized), for the DDP methods beside
+    Horovod's: at MASTER_ADDR (the cluster sets node 0's) and `port`, else MASTER_PORT, else 29533."""
+    import torch.distributed as dist
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = port or int(os.environ.get("MASTER_PORT", "29533"))
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
+
+
 class ClusterUnavailable(RuntimeError):
     """This machine cannot host the emulated cluster (no root, no netns, no tc)."""
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
 from contextlib import contextmanager
+
+from benchmarks.cluster import init_gloo
 
 SUFFIXES = ("+unchecked", "+naps", "+spins")
 KINDS = ("+coded", "+fp32", "+fp16")  # auto's kind forced (any front end's transport="auto")
@@ -244,8 +245,7 @@ def main(argv=None) -> int:
 
     hvd.init()
     torch.set_num_threads(1)
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
+    init_gloo(hvd)
     data = Wide() if args.task == "wide" else Data(TASKS[args.task])
     idx = torch.arange(data.task.batch * hvd.rank(), data.task.batch * (hvd.rank() + 1))
     for group in [methods] if args.interleave else [[method] for method in methods]:

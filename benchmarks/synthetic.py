@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import timeit
@@ -22,6 +21,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cluster import init_gloo
 from benchmarks.models import MODELS, build, synthetic_batch
 from hvd_terngrad.methods import Method, build_ddp, build_optimizer, parse_method
 
@@ -137,10 +137,7 @@ def main(argv=None):
     hvd.init()
     torch.set_num_threads(args.threads)
     if args.method.ddp:  # Horovod keeps the ranks; DDP's gradients travel over torch.distributed (gloo)
-        import torch.distributed as dist
-
-        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
+        init_gloo(hvd)
     if hvd.rank() == 0:
         print(f"Model: {args.model}, batch size: {args.batch_size}, method: {args.method.name}, "
               f"workers: {hvd.size()}")

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.cluster import init_gloo
+
 METHODS = ("local", "ddp:fp32", "fp32", "fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "terngrad",
            "terngrad:noclip:ef:block64", "terngrad:sharded-ternary", "terngrad:sharded-ternary:noclip:ef:block64",
            "ddp:terngrad:sharded-ternary", "ddp:terngrad:sharded-ternary:noclip:ef:block64")
@@ -101,7 +103,6 @@ def worker(args) -> int:
     """Every rank: each method in turn; rank 0 appends a JSON line per run to --json."""
     import dataclasses
     import gc
-    import os
 
     import horovod.torch as hvd
     import torch
@@ -111,8 +112,7 @@ def worker(args) -> int:
 
     hvd.init()
     torch.set_num_threads(1)
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
+    init_gloo(hvd)
     data = Data(TASKS[args.task])
     for method in args.methods.split(","):
         run = _timed_run(data, method, args.seed, hvd.rank(), hvd.size(), args.max_steps)
