@@ -19,16 +19,16 @@ coded cost is not below their uncoded cost are never coded. The performance mode
 (benchmarks/perf_model.py) applies the same `plan`.
 
 Measuring and agreeing (the steps: AutoPlan's docstring):
-- For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding: the group coded as it
-  would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
-  (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF
-  1.2-3.4 pp for a hundred steps, and its time to the target (measured: docs/time-to-accuracy-log.md, "NCF's later
-  hits under `auto`"). On the steps after the first (which warms up allocations) each rank measures its codec
-  seconds per element (the rehearsals' encode and decode time over the elements coded) and its window (the
-  first group ready to the last group ready, less its own rehearsals in between where they ran on the same
-  thread).
-- On the last of those steps each group's average goes with a Max allreduce of two values, [seconds per
-  element, -window]: every rank reads the slowest codec and the shortest window, and makes the same plan.
+- For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding on all but the last: the group
+  coded as it would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
+  (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF 1.2-3.4 pp
+  for a hundred steps, and its time to the target (measured: docs/time-to-accuracy-log.md, "NCF's later hits under
+  `auto`"). On the steps after the first (which warms up allocations) each rank measures its codec seconds per element
+  (the rehearsals' encode and decode time over the elements coded) and its window (the first group ready to the last
+  group ready, less its own rehearsals in between where they ran on the same thread).
+- On the last of those steps each group's average goes with a Max allreduce of [seconds per element, -window,
+  w, -w], w naming the wire the front end offers (AutoPlan.offer): every rank reads the slowest codec, the
+  shortest window and whether every rank offered the same wire, and makes the same plan.
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
   each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
@@ -62,7 +62,10 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
   pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
   overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
-  model does not know.
+  model does not know. But where the model codes no group and the front end runs that plan in one wire on a
+  faster path (prefer), the plan is tried in that wire alone: against the DDP hook's C++ fp32 path the fp16
+  plan, in Python, was kept on 2 seeds of 70 on `fast` (which then trained at 0.92x and 0.95x DDP FP32), and
+  its turns cost every trial time (docs/time-to-accuracy.md, "The trial's fixed cost").
 - Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
   must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
   some group takes the sharded transport, every group coded with the allgather (the latency of the sharded
@@ -171,8 +174,8 @@ class AutoPlan:
 
         0                   fp32, coding rehearsed (allocations warm up)
         1 .. PLAN_STEP-2    fp32, coding rehearsed; codec seconds per element and the window measured
-        PLAN_STEP-1         fp32, coding rehearsed; a Max allreduce beside each group's average carries
-                            [seconds per element, -window]; the plans to try
+        PLAN_STEP-1         fp32; a Max allreduce beside each group's average carries [seconds per element,
+                            -window, the wire offered both ways]; the plans to try
         2                   rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
                             _turns; the second round of a pair the other way round), every step timed
         pruning_step        coded; the scaler vectors carry each kind's faster step of the first pair, and
@@ -204,7 +207,7 @@ class AutoPlan:
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
         self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
-        self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path (the DDP hook's)
+        self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path: offered, then agreed
         self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
         self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: unmeasured
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
@@ -247,6 +250,18 @@ class AutoPlan:
         """Whether this step's groups carry a measurement (in their scaler vectors on the trial's coded steps)."""
         return self.steps in (PLAN_STEP - 1, self.pruning_step, self.verdict_step)
 
+    @property
+    def rehearsing(self) -> bool:
+        """Whether this step's groups rehearse their coding: the measured steps before the one that carries the
+        measurement, whose own codec time nothing reads (it keeps the groups of the step before)."""
+        return self.steps < PLAN_STEP - 1
+
+    def offer(self, wire: str | None) -> None:
+        """The wire whose plan the front end runs on a faster path on this rank (None: none), offered at each
+        step's end until the plan takes the wire every rank offered (prefer)."""
+        if self.steps < PLAN_STEP:
+            self.prefer = wire
+
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
                 encoded: float | None) -> None:
         """A group to code was ready at `ready` (time.perf_counter()); encoded: the step's encode seconds by
@@ -265,11 +280,13 @@ class AutoPlan:
         if self.steps == self.verdict_step:
             return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in self._left()])]
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
-        return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0)]
+        offered = 1.0 + WIRES.index(self.prefer) if self.prefer in WIRES else 0.0  # both ways: the Max finds a mismatch
+        return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0), offered, -offered]
 
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
-        the shortest window; or each kind's step on the slowest rank: its faster step of the first pair, or
+        the shortest window, and the wire every rank offered (None where they differ: then no rank plans on a
+        path one of them lacks); or each kind's step on the slowest rank: its faster step of the first pair, or
         its step over the trial and the noisiest rank's noise."""
         if self.steps == self.pruning_step and TRIAL_PAIRS > 1:  # each kind's faster step of the first pair
             if self.left is None:
@@ -281,6 +298,8 @@ class AutoPlan:
             self.verdict = tuple(steps)
         else:
             self.agreed = (values[0], -values[1])
+            highest, lowest = values[2], -values[3]
+            self.prefer = WIRES[int(highest) - 1] if highest == lowest and highest > 0 else None
 
     def _prune(self, firsts: list[float]) -> None:
         """The kinds left for the rest of the trial: those whose faster step of the first pair (on the slowest
@@ -313,7 +332,9 @@ class AutoPlan:
             self.kept = best - 1 if best else None
         self.steps += 1
         self._in_force(self.kept if self.decided else self._trying(self.steps))
-        self.groups, self.first, self.last = {}, None, None
+        if self.steps != PLAN_STEP - 1:  # the carrying step rehearses nothing: the groups are this step's
+            self.groups = {}
+        self.first, self.last = None, None
 
     def _kind(self, step: int) -> int | None:
         """The kind step `step` of the trial is: 0 every group coded as the model says, k the plan trials[k - 1];
@@ -350,8 +371,9 @@ class AutoPlan:
         return preferred[0] if preferred else min(ours, key=lambda k: self.verdict[k])
 
     def _preferred(self, k: int) -> bool:
-        """Whether kind k is the plan in the wire the front end runs on a faster path (prefer)."""
-        return self.prefer is not None and self._wire(k) == self.prefer
+        """Whether kind k is the plan the front end runs on a faster path (prefer): every group uncoded, in that
+        wire."""
+        return self.prefer is not None and self._wire(k) == self.prefer and not self.trials[k - 1][0]
 
     def _clearly_faster(self, a: int, b: int) -> bool:
         """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
@@ -380,12 +402,14 @@ class AutoPlan:
         per_element, window = self.agreed
         costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
         chosen = plan(costs, window)
-        codes_all = chosen == set(costs)
+        codes_all, wires = chosen == set(costs), WIRES
         if codes_all:  # every group coded (module docstring)
             sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
                           for n, _, _ in self.groups.values())
             chosen, self.trials = set(), [(None, "allgather", "fp32")] if sharded else []
-        self.trials += [(chosen, None, wire) for wire in WIRES]
+        elif not chosen and self.prefer is not None:  # its plan on the front end's faster path, alone (WIRES)
+            wires = (self.prefer,)
+        self.trials += [(chosen, None, wire) for wire in wires]
         self.times += [[] for _ in self.trials]
         # the model's side: the kinds that code every group where it does, else its plan's
         codes_every = [True] + [c is None for c, _, _ in self.trials]

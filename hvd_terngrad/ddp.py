@@ -521,7 +521,7 @@ class _Native:
         fp32, trying = owner._all_uncoded() == "fp32", pipe.auto is not None and not pipe.auto.decided
         backend = self._backend(owner) if fp32 or trying else None
         if trying:  # where this path runs the fp32 plan, its wire is auto's default
-            pipe.auto.prefer = "fp32" if backend is not None else None
+            pipe.auto.offer("fp32" if backend is not None else None)
         if backend is None or not fp32 or pipe.coder.feedback.worker:
             self.control.disable()
             return

@@ -122,14 +122,14 @@ class Pipeline:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
             self.auto.step_done(self.rehearsed_s, self.size, self.link, self.blocking_ok)
             self.rehearsed_s = 0.0
-            if not self.measuring():
+            if not (self.measuring() and self.auto.rehearsing):
                 self.rehearsal = None  # its error feedback's copies of the gradients go
         self.coder.next_step()
 
     def measuring(self) -> bool:
-        """Whether this step is one of transport="auto"'s measured steps, which send every group in fp32 and
-        rehearse its coding (rehearse). Without a shared scaler, whose vectors carry the trial's verdict, auto
-        codes every group from the start."""
+        """Whether this step is one of transport="auto"'s measured steps, which send every group in fp32 and, but for
+        the last (AutoPlan.rehearsing), rehearse its coding (rehearse). Without a shared scaler, whose vectors carry the
+        trial's verdict, auto codes every group from the start."""
         return self.auto is not None and self.auto.steps < PLAN_STEP and self.config.share_scaler
 
     def rehearse(self, key: str, named: list[tuple[str, torch.Tensor]], ready: float | None) -> None:
@@ -197,7 +197,7 @@ class Pipeline:
         measured = self.measuring()
         wire = "fp32" if measured else self.uncoded(key)
         if wire:
-            if measured:
+            if measured and auto.rehearsing:
                 self.rehearse(key, named, ready)  # before the average: it reads the gradients
             g = Group(key, [self.coder.plain(name, grad) for name, grad in named], what, send_when_shared)
             t = g.transport = UNCODED[wire]
