@@ -216,6 +216,29 @@ def test_against_the_models_side_margin_alone_applies_however_noisy_the_trial():
     assert p.kept == 1 and p.wire == "fp16" and p.uncoded("bucket.0")
 
 
+@pytest.mark.parametrize("prefer,plans", [(None, 2), ("fp32", 1)])
+def test_the_carried_values_are_the_wire_formats(prefer, plans):
+    """docs/wire-format.md, "9. Auto: uncoded groups, and the measurement the scalers carry": step 3 carries four
+    values, the wire offered both ways; with k kinds (coding and each plan), the pruning step (8 or 10) k values,
+    each kind's faster step of the first pair; the verdict (17 or 23, none pruned) k + 1, each kind's step and
+    the noise."""
+    p, carried = AutoPlan(), {}
+    p.prefer = prefer
+    clock = 0.0
+    for took in trial([0.010, 0.0100, 0.0101][:1 + plans]):
+        clock += took
+        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
+        if p.carrying:
+            carried[p.steps] = p.carried()
+            p.agree(carried[p.steps])
+        p.step_done(2e-3, 4, Link(100e9 / 8), int8=False, now=clock)
+    k = 1 + plans
+    assert {s: len(v) for s, v in carried.items()} == {PLAN_STEP - 1: 4, 3 + 2 * k + 1: k, {2: 17, 3: 23}[k]: k + 1}
+    offered = 0.0 if prefer is None else 1.0
+    assert carried[PLAN_STEP - 1][2:] == [offered, -offered]
+    assert carried[{2: 17, 3: 23}[k]][:k] == pytest.approx(list(p.verdict)) and carried[{2: 17, 3: 23}[k]][k] == p.noise
+
+
 def test_the_pruning_step_carries_the_same_values_in_every_group():
     """Groups of one step carry alike whether or not an earlier group's values came back (and pruned) already:
     a rank's groups, and the ranks, stay in agreement on the vector's length and values."""
