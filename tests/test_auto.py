@@ -41,15 +41,18 @@ def untried(monkeypatch):
     monkeypatch.setattr(auto, "TRIAL_PAIRS", 0)
 
 
-def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0) -> None:
+def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0, carried: dict | None = None) -> None:
     """Steps of one bucket of 10^6 elements through `p` alone, step k taking seconds[k]; the carried values
-    agreed as if every rank carried this rank's."""
+    agreed as if every rank carried this rank's (and kept in `carried`, by step, where given)."""
     clock = 0.0
     for took in seconds:
         clock += took
         p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
         if p.carrying:
-            p.agree(p.carried())
+            values = p.carried()
+            if carried is not None:
+                carried[p.steps] = values
+            p.agree(values)
         p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
 
 
@@ -224,14 +227,7 @@ def test_the_carried_values_are_the_wire_formats(prefer, plans):
     the noise."""
     p, carried = AutoPlan(), {}
     p.prefer = prefer
-    clock = 0.0
-    for took in trial([0.010, 0.0100, 0.0101][:1 + plans]):
-        clock += took
-        p.arrived("bucket.0", 10**6, 1, 16, ready=clock, encoded=None)
-        if p.carrying:
-            carried[p.steps] = p.carried()
-            p.agree(carried[p.steps])
-        p.step_done(2e-3, 4, Link(100e9 / 8), int8=False, now=clock)
+    _steps(p, trial([0.010, 0.0100, 0.0101][:1 + plans]), carried=carried)
     k = 1 + plans
     assert {s: len(v) for s, v in carried.items()} == {PLAN_STEP - 1: 4, 3 + 2 * k + 1: k, {2: 17, 3: 23}[k]: k + 1}
     offered = 0.0 if prefer is None else 1.0
