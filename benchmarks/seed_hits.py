@@ -9,6 +9,10 @@ parts from it (a coded step, a rounding) tends to cross later. Runs on the same 
 another's later and sooner hits (docs/time-to-accuracy.md, "Fresh seeds"); they are one sample of those seeds,
 not several. The sign test counts each seed once (its hits summed over the runs that have it), so that it
 asks whether the method reaches the target later than FP32 on seeds in general.
+
+Where a job trained both front ends' FP32, Horovod's is marked against DDP's (the row `fp32`): their
+trajectories part only by the order in which each sums the floats, so that row is what parting alone does to
+the hits, the null against which a method's own marks read (docs/time-to-accuracy.md, "Fresh seeds").
 """
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ MARKS = {1: "L", 0: "=", -1: "s", None: "-"}
 
 def hits(runs: list[dict]) -> dict:
     """(task, profile, method) -> {seed: +1 later than its front end's FP32 on the same seed, 0 the same
-    evaluation, -1 sooner, None where either misses the target}, for every non-FP32 method of these runs,
-    against their own target (benchmarks.time_to_accuracy.target)."""
+    evaluation, -1 sooner, None where either misses the target}, for every non-FP32 method of these runs and
+    for Horovod's FP32 against DDP's, against their own target (benchmarks.time_to_accuracy.target)."""
     out: dict = defaultdict(dict)
     goals = {where: target(runs, *where) for where in {(r["task"], r["profile"]) for r in runs}}
-    for r, fp32 in with_fp32(runs):
+    ddp_fp32 = {(r["task"], r["profile"], r["seed"]): r for r in runs if r["method"] == "ddp:fp32"}
+    pairs = [(r, ddp_fp32.get((r["task"], r["profile"], r["seed"]))) for r in runs if r["method"] == "fp32"]
+    for r, fp32 in [*with_fp32(runs), *((r, ref) for r, ref in pairs if ref is not None)]:
         if r["method"] == "local":
             continue
         where = (r["task"], r["profile"])

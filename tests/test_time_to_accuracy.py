@@ -192,7 +192,8 @@ def test_auto_kinds_pairs_each_auto_run_with_its_front_ends_fp32_by_the_kind_kep
 def test_seed_hits_marks_each_seeds_hit_against_its_fp32_and_counts_each_seed_once(tmp_path, capsys):
     """benchmarks.seed_hits: per results folder, each seed's run hit the target (FP32's final less 0.5 pp, here
     96.5) at a later, the same or a sooner evaluation than its front end's FP32 on that seed; the sign test
-    counts a seed once, its marks summed over the folders."""
+    counts a seed once, its marks summed over the folders. Horovod's FP32 is marked against DDP's: the null,
+    two trajectories parted only by the order of their float sums."""
     from benchmarks import seed_hits
 
     def curve(hit_step):  # reaches 97 at hit_step (None: never)
@@ -203,7 +204,9 @@ def test_seed_hits_marks_each_seeds_hit_against_its_fp32_and_counts_each_seed_on
         return runs + [_run("ddp:terngrad:auto", s, curve(h), profile="fast") for s, h in enumerate(auto_hits)]
 
     first, second = job([None, 5, 10]), job([None, 10, 5])
-    assert seed_hits.hits(first) == {("lenet", "fast", "ddp:terngrad:auto"): {0: None, 1: -1, 2: 0}}
+    first.append(_run("fp32", 1, curve(5), profile="fast"))
+    assert seed_hits.hits(first) == {("lenet", "fast", "ddp:terngrad:auto"): {0: None, 1: -1, 2: 0},
+                                     ("lenet", "fast", "fp32"): {1: -1}}
     assert seed_hits.sign_test(7, 2) == pytest.approx(92 / 512) and seed_hits.sign_test(0, 0) == 1.0
     for name, runs in (("one", first), ("two", second)):
         (tmp_path / name).mkdir()
@@ -212,3 +215,4 @@ def test_seed_hits_marks_each_seeds_hit_against_its_fp32_and_counts_each_seed_on
     out = capsys.readouterr().out
     assert "| one |  -  s  = | 0 / 1 / 1 |" in out and "| two |  -  =  s | 0 / 1 / 1 |" in out, out
     assert "Seeds later on balance: 0, sooner: 2, even: 1; sign test over the seeds, p = 0.50" in out, out
+    assert "**lenet fast fp32**, seeds 1-1" in out and "| one |  s | 0 / 0 / 1 |" in out, out
