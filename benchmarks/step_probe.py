@@ -155,8 +155,8 @@ def _force_kinds() -> None:
         kind = _FORCED[0]
         if kind is None:
             return trial(self, size, link, int8)
-        self.trials, self.times = [(set(), None, "fp32" if kind == "coded" else kind)], self.times + [[]]
-        self.kept, self.steps = (None if kind == "coded" else 0), self.verdict_step
+        self._try([(set(), None, "fp32" if kind == "coded" else kind)], codes_all=False)
+        self.kept, self.steps = (None if kind == "coded" else 0), self.trial.verdict_step
 
     auto.AutoPlan._plan = plan
 

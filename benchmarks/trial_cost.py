@@ -39,11 +39,12 @@ def coded_steps(measured_coded: bool = False, pruned: bool = True) -> set[int]:
     each wire (AutoPlan: the trial's coded turns, the pruning step, the verdict step; pruned: the coded kind
     tried no more after the first pair, as NCF's is on the fast link; measured_coded: the measured steps too)."""
     auto = AutoPlan()
-    auto.trials = [(set(), None, wire) for wire in WIRES]
+    auto._try([(set(), None, wire) for wire in WIRES], codes_all=False)
+    trial = auto.trial
     if pruned:
-        auto.left = [k for k in auto._turns() if k]
-    return {s for s in range(auto.verdict_step + 1)
-            if (measured_coded and s < PLAN_STEP) or (s >= PLAN_STEP and auto._kind(s) in (0, None))}
+        trial.left = [k for k in trial.order if k]
+    return {s for s in range(trial.verdict_step + 1)
+            if (measured_coded and s < PLAN_STEP) or (s >= PLAN_STEP and trial.kind(s) in (0, None))}
 
 
 def run(data: Data, seed: int, workers: int, coded: set[int]) -> list[tuple[int, float]]:

@@ -18,7 +18,7 @@ group uncoded where FP32's average hides, so as far as the model goes never slow
 coded cost is not below their uncoded cost are never coded. The performance model's extrapolation
 (benchmarks/perf_model.py) applies the same `plan`.
 
-Measuring and agreeing (the steps: AutoPlan's docstring):
+Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
 - For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding on all but the last: the group
   coded as it would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
   (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF 1.2-3.4 pp
@@ -44,7 +44,7 @@ Measuring and agreeing (the steps: AutoPlan's docstring):
   it would once kept: DDP's hook averages the fp32 plan's steps on its C++ path (ddp._Native.steer); timed
   on the Python hook, the plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the coded
   kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the step
-  after a coded one merges the coded step's residuals, in Python (AutoPlan._turns). A coded step then
+  after a coded one merges the coded step's residuals, in Python (AutoPlan._try). A coded step then
   carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
   slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN;
   over the front end's preferred wire, also by CONFIDENCE standard errors at the noisiest rank's spread). The
@@ -125,18 +125,17 @@ MARGIN = 0.05
 CONFIDENCE = 2.0
 
 
-def _verdict_step(plans: int, left: int | None = None) -> int:
-    """The coded step that ends a trial of `plans` plans (a step of each kind, coding and each plan, a round from
+def _verdict_step(kinds: int, left: int | None = None) -> int:
+    """The coded step that ends a trial of `kinds` kinds (coding and each plan, a step of each a round from
     PLAN_STEP on): after its first pair of rounds where more follow, a coded step that prunes the slow kinds
-    (AutoPlan._prune), then the remaining pairs of the `left` kinds (all of them: None), and the verdict. Where one
+    (Trial._prune), then the remaining pairs of the `left` kinds (all of them: None), and the verdict. Where one
     kind is left, the pruning step is the verdict."""
-    kinds = 1 + plans
     first = PLAN_STEP + 2 * kinds * min(TRIAL_PAIRS, 1)
     left = kinds if left is None else left
     return first if TRIAL_PAIRS <= 1 or left == 1 else first + 1 + 2 * left * (TRIAL_PAIRS - 1)
 
 
-LAST_VERDICT_STEP = _verdict_step(MAX_TRIALS)  # auto has decided after this step
+LAST_VERDICT_STEP = _verdict_step(1 + MAX_TRIALS)  # auto has decided after this step
 
 
 def plan(costs: dict[str, tuple[float, float, float]], window: float) -> set[str]:
@@ -169,6 +168,111 @@ def group_costs(numel: int, tensors: int, scaler_bytes: int, n_workers: int, lin
     return FP32.seconds(numel, n_workers, link), coded, codec_s_per_element * numel
 
 
+class Trial:
+    """The timed trial of transport="auto" (module docstring), over its kinds by number: 0 every group coded as the
+    model says, k the k-th plan tried (AutoPlan.trials). From PLAN_STEP on the kinds take turns, a step each, in
+    rounds (`order`; the second round of a pair the other way round), and this rank times every step. Then:
+
+        pruning_step        coded; carries each kind's faster step of the first pair, and the kinds within PRUNE
+                            of the fastest are left (_prune); where one is, it is kept
+        2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
+        verdict_step        coded; carries each kind's step, the median of its steps in the trial (_trial_step),
+                            and the trial's noise; the default kind (_default) is kept unless the fastest kind
+                            left is clearly faster (_clearly_faster)
+
+    What each kind sends, and when the trial begins, are AutoPlan's: this class only times and judges.
+    """
+
+    __slots__ = ("order", "favoured", "preferred", "times", "left", "verdict", "noise")
+
+    def __init__(self, order: list[int] | None = None, favoured: list[int] | None = None, preferred: int | None = None):
+        self.order = order or [0]  # the kinds in a round's order (AutoPlan._try: no fp32 step after a coded one)
+        self.favoured = favoured or []  # the kinds on the model's side of coding (MARGIN)
+        self.preferred = preferred  # the kind the front end runs on a faster path (AutoPlan.prefer); None: none
+        self.times: list[list[float]] = [[] for _ in self.order]  # this rank's step seconds of each kind
+        self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
+        self.verdict: tuple[float, ...] | None = None  # each kind's step seconds, every rank alike
+        self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: unmeasured
+
+    @property
+    def verdict_step(self) -> int:
+        """The coded step that carries the step times (past it, auto has decided)."""
+        return _verdict_step(len(self.order), None if self.left is None else len(self.left))
+
+    @property
+    def pruning_step(self) -> int:
+        """The coded step after the first pair of rounds, which carries each kind's faster step of it (where
+        more pairs follow; else the verdict's step)."""
+        return _verdict_step(len(self.order), 1)
+
+    def kind(self, step: int) -> int | None:
+        """The kind `step` is; None outside the rounds (the pruning step too). Round r runs the kinds in turn
+        (after the pruning step, those left), or (r odd: the second of a pair) in reverse."""
+        if not PLAN_STEP <= step < self.verdict_step or step == self.pruning_step:
+            return None
+        turns, i = self.order, step - PLAN_STEP
+        if step > self.pruning_step:
+            turns, i = self.left or turns, step - self.pruning_step - 1
+        r, i = divmod(i, len(turns))
+        return turns[-1 - i] if r % 2 else turns[i]
+
+    def timed(self, step: int, took: float | None) -> None:
+        """Step `step` took `took` seconds on this rank (None: unknown, the first step)."""
+        kind = self.kind(step)
+        if took is not None and kind is not None:
+            self.times[kind].append(took)
+
+    def carried(self, step: int) -> list[float]:
+        """The values this rank carries on the pruning or the verdict step."""
+        if step == self.pruning_step and TRIAL_PAIRS > 1:
+            # each kind's faster step of the first pair: the same before and after _prune, in every group alike
+            return [min(t[:2]) for t in self.times]
+        return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in self._left()])]
+
+    def agree(self, step: int, values: list[float]) -> None:
+        """The carried values after the Max allreduce, each kind's step on the slowest rank: its faster step of
+        the first pair, or its step over the trial and the noisiest rank's noise."""
+        if step == self.pruning_step and TRIAL_PAIRS > 1:
+            if self.left is None:
+                self._prune(values)
+            if step == self.verdict_step:  # one kind left: kept now
+                self.verdict = tuple(values)
+        else:
+            *steps, self.noise = values
+            self.verdict = tuple(steps)
+
+    def kept(self) -> int:
+        """The kind kept at the verdict: the default, unless the fastest kind left is clearly faster."""
+        left = sorted(self._left())
+        best, default = min(left, key=lambda k: self.verdict[k]), self._default(left)
+        return best if self._clearly_faster(best, default) else default
+
+    def _prune(self, firsts: list[float]) -> None:
+        """The kinds left for the rest of the trial: those whose faster step of the first pair (on the slowest
+        rank) was within PRUNE of the fastest kind's. Where one is left, this step is the verdict's."""
+        fastest = min(firsts)
+        self.left = [k for k in self.order if firsts[k] <= PRUNE * fastest]
+
+    def _left(self) -> list[int]:
+        """The kinds still tried (_prune): every kind before the pruning step, or where none was pruned."""
+        return self.left if self.left is not None else list(range(len(self.order)))
+
+    def _default(self, left: list[int]) -> int:
+        """The kind kept unless another is clearly faster: among the kinds left on the model's side of coding
+        (all of them where none is), the front end's preferred kind, else the fastest."""
+        ours = [k for k in left if k in self.favoured] or left
+        return self.preferred if self.preferred in ours else min(ours, key=lambda k: self.verdict[k])
+
+    def _clearly_faster(self, a: int, b: int) -> bool:
+        """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
+        against the preferred kind CONFIDENCE standard errors (a median of n steps: about 1.2533 sigma / sqrt(n))."""
+        if a == b:
+            return False
+        n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
+        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if b == self.preferred else 0.0
+        return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
+
+
 class AutoPlan:
     """One rank's measurement, plans and verdict for transport="auto" (module docstring). Its steps:
 
@@ -176,22 +280,13 @@ class AutoPlan:
         1 .. PLAN_STEP-2    fp32, coding rehearsed; codec seconds per element and the window measured
         PLAN_STEP-1         fp32; a Max allreduce beside each group's average carries [seconds per element,
                             -window, the wire offered both ways]; the plans to try
-        2                   rounds: the kinds in turn, a step each (coded, the other plans, the fp32 plan:
-                            _turns; the second round of a pair the other way round), every step timed
-        pruning_step        coded; the scaler vectors carry each kind's faster step of the first pair, and
-                            the kinds within PRUNE of the fastest are left (_prune); where one is, it is kept
-        2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
-        verdict_step        coded; the scaler vectors carry [coded step, each tried plan's step], each the
-                            median of its steps in the trial (_trial_step), and the trial's noise; the
-                            default kind (_default) is kept unless the fastest kind left is clearly faster
-                            (_clearly_faster)
+        PLAN_STEP ..        the trial of coding against those plans, to its verdict (Trial)
     A plan is (the keys coded, None for every group; the one transport of the coded groups, None for the
     model's choice per group; the wire of the uncoded groups, transports.uncoded.WIRES).
     """
 
-    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "trials",
-                 "times", "step_end", "left", "favoured", "prefer", "verdict", "noise", "kept", "coded", "transport",
-                 "wire")
+    __slots__ = ("steps", "groups", "codec_s", "coded_numel", "windows", "first", "last", "agreed", "prefer",
+                 "trials", "trial", "step_end", "kept", "coded", "transport", "wire")
 
     def __init__(self):
         self.steps = 0  # steps this rank finished since the plan was made new (the same count on every rank)
@@ -202,14 +297,10 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, in turn with coding
-        self.times: list[list[float]] = [[]]  # the trial's step seconds on this rank: coded, then each plan's
-        self.step_end: float | None = None  # when the last step ended (time.perf_counter())
-        self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
-        self.favoured: list[int] = []  # the kinds on the model's side of coding (_plan; MARGIN)
         self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path: offered, then agreed
-        self.verdict: tuple[float, ...] | None = None  # (coded, each tried plan's) step seconds, every rank alike
-        self.noise: float | None = None  # the noisiest rank's trial spread (_trial_noise); None: unmeasured
+        self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, in turn with coding
+        self.trial = Trial()  # their timing and verdict
+        self.step_end: float | None = None  # when the last step ended (time.perf_counter())
         self.kept: int | None = None  # the index of the tried plan kept; None: every group coded as the model says
         self.coded: set[str] | None = None  # the keys coded now; None: every group
         self.transport: str | None = None  # the transport of every coded group now; None: the model's choice
@@ -223,32 +314,22 @@ class AutoPlan:
         left after the first pair, or for a kind pruned there: its faster step of that pair), the kinds left
         after the first pair and those on the model's side (0: coded, k: the k-th plan tried), the wire the front
         end prefers, the trial's noise (None where not measured), what is in force."""
+        trial = self.trial
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
-                "step_seconds_coded_tried": self.verdict, "left_after_first_pair": self.left,
-                "model_side": self.favoured, "preferred_wire": self.prefer, "step_noise": self.noise, "kept": self.kept,
-                "uncoded_now": self.coded is not None, "transport_now": self.transport,
+                "step_seconds_coded_tried": trial.verdict, "left_after_first_pair": trial.left,
+                "model_side": trial.favoured, "preferred_wire": self.prefer, "step_noise": trial.noise,
+                "kept": self.kept, "uncoded_now": self.coded is not None, "transport_now": self.transport,
                 "uncoded_wire_now": self.wire if self.coded is not None else None}
 
     @property
-    def verdict_step(self) -> int:
-        """The coded step that carries the step times (past it, auto has decided)."""
-        return _verdict_step(len(self.trials), None if self.left is None else len(self.left))
-
-    @property
-    def pruning_step(self) -> int:
-        """The coded step after the trial's first pair of rounds, which carries each kind's faster step of it
-        (where more pairs follow; else the verdict's step)."""
-        return _verdict_step(len(self.trials), 1)
-
-    @property
     def decided(self) -> bool:
-        return self.steps > self.verdict_step
+        return self.steps > self.trial.verdict_step
 
     @property
     def carrying(self) -> bool:
         """Whether this step's groups carry a measurement (in their scaler vectors on the trial's coded steps)."""
-        return self.steps in (PLAN_STEP - 1, self.pruning_step, self.verdict_step)
+        return self.steps in (PLAN_STEP - 1, self.trial.pruning_step, self.trial.verdict_step)
 
     @property
     def rehearsing(self) -> bool:
@@ -274,11 +355,8 @@ class AutoPlan:
 
     def carried(self) -> list[float]:
         """The values this rank appends to its scaler vectors on a carrying step."""
-        if self.steps == self.pruning_step and TRIAL_PAIRS > 1:
-            # each kind's faster step of the first pair: the same before and after _prune, in every group alike
-            return [min(t[:2]) for t in self.times]
-        if self.steps == self.verdict_step:
-            return [_trial_step(t) for t in self.times] + [_trial_noise([self.times[k] for k in self._left()])]
+        if self.steps >= PLAN_STEP:  # the trial's pruning or verdict step
+            return self.trial.carried(self.steps)
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
         offered = 1.0 + WIRES.index(self.prefer) if self.prefer in WIRES else 0.0  # both ways: the Max finds a mismatch
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0), offered, -offered]
@@ -286,26 +364,13 @@ class AutoPlan:
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
         the shortest window, and the wire every rank offered (None where they differ: then no rank plans on a
-        path one of them lacks); or each kind's step on the slowest rank: its faster step of the first pair, or
-        its step over the trial and the noisiest rank's noise."""
-        if self.steps == self.pruning_step and TRIAL_PAIRS > 1:  # each kind's faster step of the first pair
-            if self.left is None:
-                self._prune(values)
-            if self.steps == self.verdict_step:  # one kind left: kept now
-                self.verdict = tuple(values)
-        elif self.steps == self.verdict_step:
-            *steps, self.noise = values
-            self.verdict = tuple(steps)
-        else:
-            self.agreed = (values[0], -values[1])
-            highest, lowest = values[2], -values[3]
-            self.prefer = WIRES[int(highest) - 1] if highest == lowest and highest > 0 else None
-
-    def _prune(self, firsts: list[float]) -> None:
-        """The kinds left for the rest of the trial: those whose faster step of the first pair (on the slowest
-        rank) was within PRUNE of the fastest kind's. Where one is left, this step is the verdict's."""
-        fastest = min(firsts)
-        self.left = [k for k in self._turns() if firsts[k] <= PRUNE * fastest]
+        path one of them lacks); or, in the trial, each kind's step on the slowest rank (Trial.agree)."""
+        if self.steps >= PLAN_STEP:
+            self.trial.agree(self.steps, values)
+            return
+        self.agreed = (values[0], -values[1])
+        highest, lowest = values[2], -values[3]
+        self.prefer = WIRES[int(highest) - 1] if highest == lowest and highest > 0 else None
 
     def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
         """The end of a step (codec_s: its rehearsals' encode + decode seconds): its measurement, the plan in
@@ -313,11 +378,9 @@ class AutoPlan:
         if self.decided:
             return
         now = time.perf_counter() if now is None else now
-        s, took = self.steps, None if self.step_end is None else now - self.step_end
+        s, trial = self.steps, self.trial
+        trial.timed(s, None if self.step_end is None else now - self.step_end)
         self.step_end = now
-        kind = self._kind(s)
-        if took is not None and kind is not None:
-            self.times[kind].append(took)
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
             self.coded_numel += sum(n for n, _, _ in self.groups.values())
@@ -325,10 +388,8 @@ class AutoPlan:
             self.windows.append(max(0.0, ready - enc))
         if s == PLAN_STEP - 1:
             self._plan(size, link, int8)
-        elif s == self.verdict_step and self.verdict is not None:
-            left = sorted(self._left())
-            best, default = min(left, key=lambda k: self.verdict[k]), self._default(left)
-            best = best if self._clearly_faster(best, default) else default
+        elif s == self.trial.verdict_step and self.trial.verdict is not None:
+            best = self.trial.kept()
             self.kept = best - 1 if best else None
         self.steps += 1
         self._in_force(self.kept if self.decided else self._trying(self.steps))
@@ -336,57 +397,9 @@ class AutoPlan:
             self.groups = {}
         self.first, self.last = None, None
 
-    def _kind(self, step: int) -> int | None:
-        """The kind step `step` of the trial is: 0 every group coded as the model says, k the plan trials[k - 1];
-        None outside the trial's rounds (the pruning step too). Round r runs the kinds in turn (_turns; after
-        the pruning step, those left), or (r odd: the second of a pair) in reverse."""
-        if not PLAN_STEP <= step < self.verdict_step or step == self.pruning_step:
-            return None
-        turns = self._turns()
-        i = step - PLAN_STEP
-        if step > self.pruning_step:
-            turns, i = self.left or turns, step - self.pruning_step - 1
-        r, i = divmod(i, len(turns))
-        return turns[-1 - i] if r % 2 else turns[i]
-
-    def _turns(self) -> list[int]:
-        """The kinds in a round's order: coded, then the plans as tried, but the plan that sends its uncoded
-        groups in fp32 last. An fp32 step then follows an fp16 or fp32 one, never a coded one, whose residuals
-        (error feedback) it would merge in Python, off the C++ path it runs on once kept (ddp._Native.steer)."""
-        return sorted(range(1 + len(self.trials)), key=lambda k: self._wire(k) == "fp32")
-
-    def _left(self) -> list[int]:
-        """The kinds still tried (_prune): every kind before the pruning step, or where none was pruned."""
-        return self.left if self.left is not None else list(range(1 + len(self.trials)))
-
-    def _wire(self, k: int) -> str | None:
-        """The wire of kind k's uncoded groups where it is a plan (not every group coded), else None."""
-        return self.trials[k - 1][2] if k > 0 and self.trials[k - 1][0] is not None else None
-
-    def _default(self, left: list[int]) -> int:
-        """The kind kept unless another is clearly faster: among the kinds left on the model's side of coding
-        (all of them where none is), the plan in the wire the front end prefers, else the fastest."""
-        ours = [k for k in left if k in self.favoured] or left
-        preferred = [k for k in ours if self._preferred(k)]
-        return preferred[0] if preferred else min(ours, key=lambda k: self.verdict[k])
-
-    def _preferred(self, k: int) -> bool:
-        """Whether kind k is the plan the front end runs on a faster path (prefer): every group uncoded, in that
-        wire."""
-        return self.prefer is not None and self._wire(k) == self.prefer and not self.trials[k - 1][0]
-
-    def _clearly_faster(self, a: int, b: int) -> bool:
-        """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
-        against the preferred wire CONFIDENCE standard errors (a median of n steps: about 1.2533 sigma / sqrt(n))."""
-        if a == b:
-            return False
-        n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
-        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if self._preferred(b) else 0.0
-        return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
-
     def _trying(self, step: int) -> int | None:
         """The index of the plan tried on `step`; None where every group is coded as the model says."""
-        k = self._kind(step)
+        k = self.trial.kind(step)
         return k - 1 if k else None
 
     def _in_force(self, k: int | None) -> None:
@@ -397,25 +410,36 @@ class AutoPlan:
         """The plans to try, from the agreed measurement; none (every group coded from now on) where nothing
         was measured."""
         if self.agreed is None:
-            self.steps = self.verdict_step  # decided: every group coded as the model says
+            self.steps = self.trial.verdict_step  # decided: every group coded as the model says
             return
         per_element, window = self.agreed
         costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
         chosen = plan(costs, window)
-        codes_all, wires = chosen == set(costs), WIRES
+        codes_all, wires, trials = chosen == set(costs), WIRES, []
         if codes_all:  # every group coded (module docstring)
             sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
                           for n, _, _ in self.groups.values())
-            chosen, self.trials = set(), [(None, "allgather", "fp32")] if sharded else []
+            chosen, trials = set(), [(None, "allgather", "fp32")] if sharded else []
         elif not chosen and self.prefer is not None:  # its plan on the front end's faster path, alone (WIRES)
             wires = (self.prefer,)
-        self.trials += [(chosen, None, wire) for wire in wires]
-        self.times += [[] for _ in self.trials]
-        # the model's side: the kinds that code every group where it does, else its plan's
-        codes_every = [True] + [c is None for c, _, _ in self.trials]
-        self.favoured = [k for k, every in enumerate(codes_every) if every == codes_all]
+        self._try(trials + [(chosen, None, wire) for wire in wires], codes_all)
         if TRIAL_PAIRS == 0:  # tests: the first plan in force, untried
-            self.kept, self.steps = 0, self.verdict_step
+            self.kept, self.steps = 0, self.trial.verdict_step
+
+    def _try(self, trials: list[tuple[set[str] | None, str | None, str]], codes_all: bool) -> None:
+        """The trial of coding against these plans. A round runs the coded kind first and the plan that sends its
+        uncoded groups in fp32 last: an fp32 step then follows an fp16 or fp32 one, never a coded one, whose
+        residuals (error feedback) it would merge in Python, off the C++ path it runs on once kept
+        (ddp._Native.steer). The model's side: the kinds that code every group where it does, else its plan's.
+        The preferred kind: the plan that sends every group uncoded in the wire the front end prefers."""
+        self.trials = trials
+        wire = [None] + [w if c is not None else None for c, _, w in trials]  # each kind's uncoded wire
+        codes_every = [True] + [c is None for c, _, _ in trials]
+        preferred = [k for k, (c, _, w) in enumerate(trials, 1) if self.prefer is not None and w == self.prefer
+                     and c is not None and not c]
+        self.trial = Trial(sorted(range(1 + len(trials)), key=lambda k: wire[k] == "fp32"),
+                           [k for k, every in enumerate(codes_every) if every == codes_all],
+                           preferred[0] if preferred else None)
 
 
 def _unpaused(times: list[float]) -> list[float]:

@@ -91,10 +91,11 @@ def test_the_model_plan_is_kept_only_where_its_steps_were_faster():
     _steps(warming, trial([0.010, 0.012, 0.012], before=0.030))
     for p in (fast, slow, warming):  # 100 Gbit/s, a 2 ms codec: the model codes nothing, its plan tried twice
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
-    assert fast.verdict == pytest.approx((0.010, 0.005, 0.021)) and fast.uncoded("bucket.0") and fast.kept == 0
+    assert fast.trial.verdict == pytest.approx((0.010, 0.005, 0.021)) and fast.uncoded("bucket.0") and fast.kept == 0
     assert fast.wire == "fp32" and fast.summary()["uncoded_wire_now"] == "fp32"
-    assert slow.verdict == pytest.approx((0.010, 0.020, 0.021)) and not slow.uncoded("bucket.0") and slow.kept is None
-    assert warming.verdict == pytest.approx((0.010, 0.012, 0.012)) and not warming.uncoded("bucket.0")
+    assert slow.trial.verdict == pytest.approx((0.010, 0.020, 0.021))
+    assert not slow.uncoded("bucket.0") and slow.kept is None
+    assert warming.trial.verdict == pytest.approx((0.010, 0.012, 0.012)) and not warming.uncoded("bucket.0")
 
 
 def test_the_trial_is_not_swayed_by_a_drift_of_the_machines_speed_or_by_a_spike():
@@ -110,8 +111,8 @@ def test_the_trial_is_not_swayed_by_a_drift_of_the_machines_speed_or_by_a_spike(
     _steps(spiked, seconds)
     for p in (warming, spiked):
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS
-        assert p.uncoded("bucket.0") and p.wire == "fp32", p.verdict
-    fp32, fp16 = warming.verdict[1:]
+        assert p.uncoded("bucket.0") and p.wire == "fp32", p.trial.verdict
+    fp32, fp16 = warming.trial.verdict[1:]
     assert fp16 - fp32 == pytest.approx(0.0005)  # the drift cancels within each pair
 
 
@@ -124,13 +125,14 @@ def test_a_kind_far_behind_after_the_first_pair_is_tried_no_more():
     _steps(alone, trial([0.0150, 0.0050, 0.0100]))  # fp16 2x fp32: one kind left after the first pair
     _steps(even, trial([0.0100, 0.0095, 0.0098]))  # within PRUNE of each other: every kind to the end
     assert pruned.summary()["left_after_first_pair"] == [2, 1] and pruned.kept == 1 and pruned.wire == "fp16"
-    assert pruned.verdict == pytest.approx((0.0075, 0.0050, 0.0048))  # the coded kind's: its first pair's
-    assert pruned.verdict_step == pruned.pruning_step + 1 + 2 * 2 * (TRIAL_PAIRS - 1)
-    assert even.verdict_step == even.pruning_step + 1 + 2 * 3 * (TRIAL_PAIRS - 1) == pruned.verdict_step + 4
-    coded = [s for s in range(pruned.verdict_step + 1) if pruned._kind(s) in (0, None) and s >= PLAN_STEP]
+    assert pruned.trial.verdict == pytest.approx((0.0075, 0.0050, 0.0048))  # the coded kind's: its first pair's
+    assert pruned.trial.verdict_step == pruned.trial.pruning_step + 1 + 2 * 2 * (TRIAL_PAIRS - 1)
+    assert even.trial.verdict_step == even.trial.pruning_step + 1 + 2 * 3 * (TRIAL_PAIRS - 1)
+    assert even.trial.verdict_step == pruned.trial.verdict_step + 4
+    coded = [s for s in range(pruned.trial.verdict_step + 1) if pruned.trial.kind(s) in (0, None) and s >= PLAN_STEP]
     assert len(coded) == 4  # the first pair's 2, the pruning step, the verdict's (7 without pruning: `even`)
     assert alone.summary()["left_after_first_pair"] == [1] and alone.kept == 0 and alone.wire == "fp32"
-    assert alone.verdict_step == alone.pruning_step == PLAN_STEP + 2 * 3 and alone.decided
+    assert alone.trial.verdict_step == alone.trial.pruning_step == PLAN_STEP + 2 * 3 and alone.decided
     assert alone.summary()["step_noise"] is None and even.summary()["step_noise"] >= 0.0  # no kinds to compare: none
     assert even.summary()["left_after_first_pair"] == [0, 2, 1] and even.kept == 0 and even.wire == "fp32"
 
@@ -145,14 +147,14 @@ def test_a_pause_on_one_step_of_the_first_pair_prunes_nothing():
     seconds[PLAN_STEP + 3] = 0.250  # the fp32 plan's step of the first pair's second round (fp32, fp16, coded)
     _steps(p, seconds)
     assert p.summary()["left_after_first_pair"] == [0, 2, 1] and p.kept == 0 and p.wire == "fp32"
-    assert p.verdict == pytest.approx((0.010, 0.0095, 0.0098))
+    assert p.trial.verdict == pytest.approx((0.010, 0.0095, 0.0098))
     every7 = AutoPlan()  # lenet in benchmarks.time_to_accuracy: an evaluation before steps 7, 14 and 21
     seconds = trial([0.010, 0.0095, 0.0098])
     for s in (7, 14, 21):
         seconds[s] += 0.250
     _steps(every7, seconds)
-    assert [every7._kind(s) for s in (7, 14, 21)] == [1, 1, 2]  # the fp32 plan twice
-    assert every7.kept == 0 and every7.verdict == pytest.approx((0.010, 0.0095, 0.0098))
+    assert [every7.trial.kind(s) for s in (7, 14, 21)] == [1, 1, 2]  # the fp32 plan twice
+    assert every7.kept == 0 and every7.trial.verdict == pytest.approx((0.010, 0.0095, 0.0098))
 
 
 def test_pauses_are_left_out_of_a_kinds_step_and_coding_against_the_model_must_be_clearly_faster():
@@ -168,10 +170,10 @@ def test_pauses_are_left_out_of_a_kinds_step_and_coding_against_the_model_must_b
         for i, took in zip(fp32_steps, (0.0090, 0.2596, 0.0094, 0.2596, 0.0098, 0.0102)):
             seconds[i] = took
         _steps(p, seconds)
-        assert [p._kind(i) for i in fp32_steps] == [1] * 6 and p.summary()["left_after_first_pair"] == [0, 2, 1]
+        assert [p.trial.kind(i) for i in fp32_steps] == [1] * 6 and p.summary()["left_after_first_pair"] == [0, 2, 1]
         assert p.summary()["model_side"] == [1, 2]
-    assert noisy.verdict[1] == pytest.approx(0.0096) and noisy.kept == 0 and noisy.wire == "fp32"
-    assert statistics.median(noisy.times[1]) == pytest.approx(0.0100)  # what the median of all six made of it
+    assert noisy.trial.verdict[1] == pytest.approx(0.0096) and noisy.kept == 0 and noisy.wire == "fp32"
+    assert statistics.median(noisy.trial.times[1]) == pytest.approx(0.0100)  # what the median of all six made of it
     assert coding.kept is None and coding.coded is None
     assert wire.kept == 1 and wire.wire == "fp16"
 
@@ -196,12 +198,12 @@ def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trial
         assert p.summary()["tried"] == UNCODED_TRIALS[:1 if prefer else 2]
         assert p.summary()["left_after_first_pair"] == ([0, 1] if prefer else [0, 2, 1])
         assert p.summary()["model_side"] == ([1] if prefer else [1, 2])
-        assert p.summary()["step_noise"] == p.noise and p.summary()["preferred_wire"] == prefer
+        assert p.summary()["step_noise"] == p.trial.noise and p.summary()["preferred_wire"] == prefer
         return p
 
     quiet, noisy = kept([0.0088, 0.0096], 0.02, "fp32"), kept([0.0088, 0.0096], 0.12, "fp32")
-    assert quiet.noise == pytest.approx(0.007, abs=0.002) and noisy.noise == pytest.approx(0.045, abs=0.005)
-    assert noisy.verdict[0] < (1 - auto.MARGIN) * noisy.verdict[1]  # beyond MARGIN, within the noise
+    assert quiet.trial.noise == pytest.approx(0.007, abs=0.002) and noisy.trial.noise == pytest.approx(0.045, abs=0.005)
+    assert noisy.trial.verdict[0] < (1 - auto.MARGIN) * noisy.trial.verdict[1]  # beyond MARGIN, within the noise
     assert quiet.kept is None and noisy.kept == 0  # coded where steady; the preferred fp32 plan if not
     assert kept([0.0088, 0.0096, 0.0099], 0.12).kept is None  # against the model's side alone, MARGIN
     assert kept([0.0099, 0.0096, 0.0088], 0.12).kept == 1
@@ -215,7 +217,7 @@ def test_against_the_models_side_margin_alone_applies_however_noisy_the_trial():
     p = AutoPlan()
     _steps(p, _noisy([0.0077, 0.0081, 0.0060], 0.30), size=2, gbps=0.008)
     assert p.summary()["model_side"] == [0] and p.summary()["left_after_first_pair"] == [0, 2]
-    assert p.noise == pytest.approx(0.23, abs=0.02) and p.verdict[2] < 0.95 * p.verdict[0]
+    assert p.trial.noise == pytest.approx(0.23, abs=0.02) and p.trial.verdict[2] < 0.95 * p.trial.verdict[0]
     assert p.kept == 1 and p.wire == "fp16" and p.uncoded("bucket.0")
 
 
@@ -232,7 +234,8 @@ def test_the_carried_values_are_the_wire_formats(prefer, plans):
     assert {s: len(v) for s, v in carried.items()} == {PLAN_STEP - 1: 4, 3 + 2 * k + 1: k, {2: 17, 3: 23}[k]: k + 1}
     offered = 0.0 if prefer is None else 1.0
     assert carried[PLAN_STEP - 1][2:] == [offered, -offered]
-    assert carried[{2: 17, 3: 23}[k]][:k] == pytest.approx(list(p.verdict)) and carried[{2: 17, 3: 23}[k]][k] == p.noise
+    verdict = carried[{2: 17, 3: 23}[k]]
+    assert verdict[:k] == pytest.approx(list(p.trial.verdict)) and verdict[k] == p.trial.noise
 
 
 def test_the_pruning_step_carries_the_same_values_in_every_group():
@@ -240,10 +243,10 @@ def test_the_pruning_step_carries_the_same_values_in_every_group():
     a rank's groups, and the ranks, stay in agreement on the vector's length and values."""
     p = AutoPlan()
     _steps(p, trial([0.0150, 0.0050, 0.0049])[:PLAN_STEP + 6])  # through the first pair
-    assert p.steps == p.pruning_step and p.carrying
+    assert p.steps == p.trial.pruning_step and p.carrying
     before = p.carried()
     p.agree(before)  # the first group's values back: the coded kind pruned
-    assert p.left == [2, 1] and p.carried() == before and p.carrying
+    assert p.trial.left == [2, 1] and p.carried() == before and p.carrying
 
 
 def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster():
@@ -257,7 +260,7 @@ def test_where_the_model_codes_everything_fp32_is_tried_and_kept_only_if_faster(
         assert p.decided and p.summary()["tried"] == UNCODED_TRIALS and p.summary()["model_side"] == [0]
     assert faster.uncoded("bucket.0") and faster.summary()["uncoded_now"]
     assert not slower.uncoded("bucket.0") and slower.coded is None and slower.transport is None
-    assert close.verdict == pytest.approx((0.010, 0.0098, 0.0097)) and close.coded is None
+    assert close.trial.verdict == pytest.approx((0.010, 0.0098, 0.0097)) and close.coded is None
 
 
 def test_where_the_model_codes_with_the_sharded_transport_the_allgather_and_fp32_are_tried():
@@ -272,7 +275,7 @@ def test_where_the_model_codes_with_the_sharded_transport_the_allgather_and_fp32
         _steps(p, trial([0.010, allgather, fp32, fp16]), gbps=0.008)
         assert p.decided and p.summary()["tried"] == [{"coding": "every group", "transport": "allgather"},
                                                       *UNCODED_TRIALS]
-        assert p.verdict == pytest.approx((0.010, allgather, fp32, fp16))
+        assert p.trial.verdict == pytest.approx((0.010, allgather, fp32, fp16))
     assert plans["allgather"].transport == "allgather" and not plans["allgather"].uncoded("bucket.0")
     assert plans["fp32"].uncoded("bucket.0") and plans["fp32"].transport is None and plans["fp32"].wire == "fp32"
     assert plans["fp16"].uncoded("bucket.0") and plans["fp16"].wire == "fp16"
@@ -374,7 +377,7 @@ def test_where_the_model_codes_nothing_the_preferred_wires_plan_alone_is_tried_i
     both, one = _offered(["fp32", "fp32"]), _offered(["fp32", None])
     assert all(p.prefer == "fp32" and p.trials == [(set(), None, "fp32")] for p in both)
     assert all(p.prefer is None and [w for _, _, w in p.trials] == ["fp32", "fp16"] for p in one)
-    assert len({p.verdict_step for p in both + one}) == 2  # two kinds, or three: the trial's length
+    assert len({p.trial.verdict_step for p in both + one}) == 2  # two kinds, or three: the trial's length
     both[0].offer(None)
     assert both[0].prefer == "fp32"
 
@@ -548,9 +551,9 @@ def body_trial_with_cpp(port, error_feedback, prune, link_gbps):
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
         native, plan = state.native, state.connect().auto
-        out.append((plan._kind(step) if plan.trials else None, native, train(step)))
+        out.append((plan.trial.kind(step) if plan.trials else None, native, train(step)))
     plan = state.pipeline.auto
-    summary = (plan.trials, [len(t) for t in plan.times], plan.kept, plan.verdict_step, plan.prefer)
+    summary = (plan.trials, [len(t) for t in plan.trial.times], plan.kept, plan.trial.verdict_step, plan.prefer)
     del state, train
     _close_gloo()
     return out, summary

@@ -50,7 +50,7 @@ def test_the_plan_is_tried_in_fp32_and_in_fp16_and_the_faster_wire_is_kept():
         _steps(p, trial([0.010, fp32, fp16]))
         assert p.decided and p.summary()["tried"] == [{"coding": [], "transport": None, "uncoded": "fp32"},
                                                       {"coding": [], "transport": None, "uncoded": "fp16"}]
-        assert p.verdict == pytest.approx((0.010, fp32, fp16))
+        assert p.trial.verdict == pytest.approx((0.010, fp32, fp16))
         assert p.summary()["uncoded_wire_now"] == (None if kept == "coded" else kept)
         assert p.uncoded("bucket.0") == (kept != "coded") and (kept == "coded" or p.wire == kept)
 
@@ -237,8 +237,8 @@ def body_optimizer_lets_go_of_fp16_tensors():
 
     def coded_fastest(self, values):
         agree(self, values)
-        if self.steps == self.verdict_step:
-            self.verdict = (0.0,) + (1.0,) * (len(values) - 1)
+        if self.steps == self.trial.verdict_step:
+            self.trial.verdict = (0.0,) + (1.0,) * (len(values) - 1)
 
     auto.AutoPlan.agree = coded_fastest
     hvd.init()
