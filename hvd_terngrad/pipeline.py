@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import enum
 import time
-import warnings
 
 import torch
 
+from hvd_terngrad import checkpoint
 from hvd_terngrad.auto import PLAN_STEP, AutoPlan
 from hvd_terngrad.coder import Coder, Item
 from hvd_terngrad.collectives import Collectives
@@ -33,17 +33,6 @@ from hvd_terngrad.errors import PayloadMismatchError
 from hvd_terngrad.transports import TRANSPORTS, resolve_transport
 from hvd_terngrad.transports.uncoded import UNCODED
 from hvd_terngrad.wire import block_scalers_carrier, block_scalers_from_carrier
-
-STATE_VERSION = 1  # of state_dict()
-
-
-def coding_options(config: TernGradConfig) -> dict:
-    """The options that change what is coded or what a residual means (not how fast, nor how long to wait)."""
-    keep = ("clip", "share_scaler", "min_numel", "exclude", "seed", "error_feedback", "owner_error_feedback",
-            "transport", "hierarchical", "block_size") + (("owner_clip",) if config.transport == "sharded-ternary"
-                                                          else ())  # only sharded-ternary's owners draw
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
-            ((k, getattr(config, k)) for k in keep)}
 
 
 class Stage(enum.Enum):
@@ -154,36 +143,11 @@ class Pipeline:
         self.rehearsed_s += cur.time_encode + cur.time_decode - before
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this rank's TernGrad: the step (it keys every draw), the error-feedback
-        residuals, and what they are valid for (the options that change the codes, the world size, the rank).
-        Each rank saves its own: residuals differ between ranks."""
-        return {"version": STATE_VERSION, "step": self.step, "rank": self.rank, "size": self.size,
-                "options": coding_options(self.config), "feedback": self.coder.feedback.state_dict()}
+        """What a checkpoint keeps of this rank's TernGrad (hvd_terngrad.checkpoint)."""
+        return checkpoint.state_dict(self.coder)
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from state_dict(): the same step and residuals, so training goes on bit for bit. Options
-        that change the codes must be the same (ValueError naming them); on another world size or rank the
-        residuals belong to other ranks' gradients and are dropped, with a warning."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"hvd_terngrad: a TernGrad state of version {state.get('version')!r}; this version "
-                             f"reads {STATE_VERSION}")
-        mine = coding_options(self.config)
-        saved = dict(state["options"])
-        if saved.get("transport") == "sharded-ternary":  # saved before owner_clip existed: owners clipped at clip
-            saved.setdefault("owner_clip", saved.get("clip"))
-        differ = sorted(k for k in mine.keys() | saved.keys() if mine.get(k) != saved.get(k))
-        if differ:
-            raise ValueError("hvd_terngrad: the TernGrad state was saved with other options ("
-                             + ", ".join(f"{k}={saved.get(k)!r}, now {mine.get(k)!r}" for k in differ)
-                             + f"), on rank {self.rank}: load it with the same options, or start without it")
-        self.coder.step = state["step"]
-        self.coder.stats.current.step = state["step"]
-        if (state["size"], state["rank"]) != (self.size, self.rank):
-            warnings.warn(f"hvd_terngrad: the TernGrad state was saved by rank {state['rank']} of {state['size']}, "
-                          f"loaded on rank {self.rank} of {self.size}: its error-feedback residuals are dropped",
-                          stacklevel=2)
-            return
-        self.coder.feedback.load_state_dict(state["feedback"])
+        checkpoint.load_state_dict(self.coder, state)
 
     # ------------------------------------------------------------------------------------------
     def start(self, key: str, named: list[tuple[str, torch.Tensor]], what: str | None = None,

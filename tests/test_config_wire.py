@@ -188,8 +188,9 @@ def test_a_state_saved_before_owner_clip_loads_where_the_owners_draw_the_same():
     import pytest
 
     from hvd_terngrad import TernGradConfig
+    from hvd_terngrad.checkpoint import STATE_VERSION, coding_options
     from hvd_terngrad.collectives.loopback import LoopbackWorld
-    from hvd_terngrad.pipeline import STATE_VERSION, Pipeline, coding_options
+    from hvd_terngrad.pipeline import Pipeline
 
     def state(cfg):  # as an earlier version saved it: no owner_clip among the options
         opts = {k: v for k, v in coding_options(cfg).items() if k != "owner_clip"}
