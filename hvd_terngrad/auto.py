@@ -57,8 +57,9 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   slower than PRUNE times the fastest are tried no more: a kind far behind on both of its steps does not win
   the median of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take
   1.25-2.6 times its fastest kind's step: NCF's trial on a fast link codes 4 steps, not 7). The faster of
-  two steps, so that a pause between steps, which lands on one, prunes nothing. Where one kind is
-  left, it is kept there and then; where none is pruned, the pruning step is one coded step more.
+  two steps, so that a pause between steps, which lands on one, prunes nothing. Where the default is the front
+  end's preferred wire, a kind not ahead of it by MARGIN on that step is tried no more either (AHEAD). Where one
+  kind is left, it is kept there and then; where none is pruned, the pruning step is one coded step more.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
   pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
   overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
@@ -123,6 +124,14 @@ PAUSE = 2.0
 # "The trial's noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
+# Where the default is the front end's preferred kind (the DDP hook's C++ fp32 path, where the model codes
+# nothing), a kind whose faster step of the first pair was not shorter than AHEAD times the preferred kind's is
+# tried no more either: to be kept it must beat that kind by MARGIN and by CONFIDENCE standard errors of the
+# noise, which a kind not ahead by MARGIN even on its faster step of two seldom does. Its turns would cost time,
+# and being coded, they move the trajectory: on lenet at `fast` the hook's coded kind stepped within 0.71-1.65x
+# of its fp32 plan (verdict medians over 40 fresh seeds, 6 under 0.95x), was kept on one, and its trial's coded
+# steps moved 23 of the 40 hits to the target (docs/time-to-accuracy.md, "Fresh seeds").
+AHEAD = 1 - MARGIN
 
 
 def _verdict_step(kinds: int, left: int | None = None) -> int:
@@ -174,7 +183,8 @@ class Trial:
     rounds (`order`; the second round of a pair the other way round), and this rank times every step. Then:
 
         pruning_step        coded; carries each kind's faster step of the first pair, and the kinds within PRUNE
-                            of the fastest are left (_prune); where one is, it is kept
+                            of the fastest (and ahead of a preferred default: AHEAD) are left (_prune); where
+                            one is, it is kept
         2 * (TRIAL_PAIRS-1) rounds of the kinds left, as the first two
         verdict_step        coded; carries each kind's step, the median of its steps in the trial (_trial_step),
                             and the trial's noise; the default kind (_default) is kept unless the fastest kind
@@ -249,9 +259,11 @@ class Trial:
 
     def _prune(self, firsts: list[float]) -> None:
         """The kinds left for the rest of the trial: those whose faster step of the first pair (on the slowest
-        rank) was within PRUNE of the fastest kind's. Where one is left, this step is the verdict's."""
-        fastest = min(firsts)
-        self.left = [k for k in self.order if firsts[k] <= PRUNE * fastest]
+        rank) was within PRUNE of the fastest kind's, and where the preferred kind is the default, ahead of it
+        (AHEAD). Where one is left, this step is the verdict's."""
+        fastest, p = min(firsts), self.preferred if self.preferred in self.favoured else None
+        self.left = [k for k in self.order if firsts[k] <= PRUNE * fastest
+                     and (p is None or k == p or firsts[k] < AHEAD * firsts[p])]
 
     def _left(self) -> list[int]:
         """The kinds still tried (_prune): every kind before the pruning step, or where none was pruned."""

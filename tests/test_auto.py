@@ -56,13 +56,14 @@ def _steps(p: AutoPlan, seconds: list[float], size=4, gbps=100.0, carried: dict 
         p.step_done(2e-3, size, Link(gbps * 1e9 / 8), int8=False, now=clock)
 
 
-def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0) -> list[float]:
+def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0, preferred: bool = False) -> list[float]:
     """Step seconds of a whole trial: PLAN_STEP coded steps of `before`, then the rounds, where kind k (0:
     coded, k: the k-th plan) takes kinds[k], plus drift times the step's place in the trial; after the first
     pair of rounds a coded step, and the rounds of the kinds left (whose faster step of the first pair was
-    within PRUNE of the fastest kind's) where more than one is; then the verdict's step and 2 past it. The
-    plans end with the fp32 plan and the fp16 one (or with the fp32 plan alone, where it is the only plan: the
-    front end's preferred wire), and a round runs the fp32 plan last."""
+    within PRUNE of the fastest kind's, and where the fp32 plan is the preferred default, AHEAD of it) where
+    more than one is; then the verdict's step and 2 past it. The plans end with the fp32 plan and the fp16 one
+    (or with the fp32 plan alone, where it is the only plan: the front end's preferred wire), and a round runs
+    the fp32 plan last."""
     fp32 = len(kinds) - 2 if len(kinds) > 2 else 1
     turns = [k for k in range(len(kinds)) if k != fp32] + [fp32]
 
@@ -72,7 +73,8 @@ def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0) -> list
 
     first, ks = rounds(turns, 2, 0)
     faster = {k: min(t for t, kk in zip(first, ks) if kk == k) for k in turns}
-    left = [k for k in turns if faster[k] <= auto.PRUNE * min(faster.values())]
+    left = [k for k in turns if faster[k] <= auto.PRUNE * min(faster.values())
+            and (not preferred or k == fp32 or faster[k] < auto.AHEAD * faster[fp32])]
     rest = [kinds[0]] + rounds(left, 2 * (TRIAL_PAIRS - 1), len(first) + 1)[0] if len(left) > 1 else []
     return [before] * PLAN_STEP + first + rest + [kinds[0]] * 3
 
@@ -178,10 +180,11 @@ def test_pauses_are_left_out_of_a_kinds_step_and_coding_against_the_model_must_b
     assert wire.kept == 1 and wire.wire == "fp16"
 
 
-def _noisy(kinds: list[float], spread: float) -> list[float]:
+def _noisy(kinds: list[float], spread: float, preferred: bool = False) -> list[float]:
     """trial(kinds), its rounds' steps each moved by up to +-spread, in a pattern that favours no kind."""
     w = [-1, 1, -0.5, 0.5, 0, -0.25, 0.25, 0.75, -0.75]
-    return [t * (1 + spread * w[i % len(w)]) if i >= PLAN_STEP else t for i, t in enumerate(trial(kinds))]
+    steps = trial(kinds, preferred=preferred)
+    return [t * (1 + spread * w[i % len(w)]) if i >= PLAN_STEP else t for i, t in enumerate(steps)]
 
 
 def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trials_noise():
@@ -194,7 +197,7 @@ def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trial
     def kept(kinds, spread, prefer=None):
         p = AutoPlan()
         p.prefer = prefer
-        _steps(p, _noisy(kinds, spread))
+        _steps(p, _noisy(kinds, spread, preferred=prefer is not None))
         assert p.summary()["tried"] == UNCODED_TRIALS[:1 if prefer else 2]
         assert p.summary()["left_after_first_pair"] == ([0, 1] if prefer else [0, 2, 1])
         assert p.summary()["model_side"] == ([1] if prefer else [1, 2])
@@ -207,6 +210,26 @@ def test_a_kind_off_the_default_is_kept_only_where_clearly_faster_than_the_trial
     assert quiet.kept is None and noisy.kept == 0  # coded where steady; the preferred fp32 plan if not
     assert kept([0.0088, 0.0096, 0.0099], 0.12).kept is None  # against the model's side alone, MARGIN
     assert kept([0.0099, 0.0096, 0.0088], 0.12).kept == 1
+
+
+@pytest.mark.parametrize("coded,left", [(0.0097, [1]), (0.0090, [0, 1])])
+def test_a_kind_not_ahead_of_the_preferred_default_after_the_first_pair_is_tried_no_more(coded, left):
+    """Where the model codes nothing and the front end prefers the fp32 plan's wire (the DDP hook's C++ path), coding
+    3% faster on the first pair is not AHEAD of it by MARGIN: it is tried no more, and the fp32 plan is kept on the
+    pruning step, after 3 coded steps of the trial instead of 8. Coding 10% faster goes on to the verdict (and,
+    in a trial without noise, is kept there). Without
+    a preferred wire (Horovod), coding 3% faster is not pruned: between the model's wires, the fastest is kept."""
+    p = AutoPlan()
+    p.prefer = "fp32"
+    _steps(p, trial([coded, 0.0100], preferred=True))
+    pruned = left == [1]
+    assert p.summary()["left_after_first_pair"] == left and p.decided
+    assert p.kept == (0 if pruned else None)  # coding 10% faster, noiseless: beyond MARGIN, kept
+    coded_steps = [s for s in range(PLAN_STEP, p.trial.verdict_step + 1) if p.trial.kind(s) in (0, None)]
+    assert p.trial.verdict_step == (PLAN_STEP + 4 if pruned else 17) and len(coded_steps) == (3 if pruned else 8)
+    horovod = AutoPlan()
+    _steps(horovod, trial([coded, 0.0100, 0.0104]))
+    assert horovod.summary()["left_after_first_pair"] == [0, 2, 1]
 
 
 def test_against_the_models_side_margin_alone_applies_however_noisy_the_trial():
@@ -229,7 +252,7 @@ def test_the_carried_values_are_the_wire_formats(prefer, plans):
     the noise."""
     p, carried = AutoPlan(), {}
     p.prefer = prefer
-    _steps(p, trial([0.010, 0.0100, 0.0101][:1 + plans]), carried=carried)
+    _steps(p, trial([0.009, 0.0100, 0.0101][:1 + plans], preferred=prefer is not None), carried=carried)
     k = 1 + plans
     assert {s: len(v) for s, v in carried.items()} == {PLAN_STEP - 1: 4, 3 + 2 * k + 1: k, {2: 17, 3: 23}[k]: k + 1}
     offered = 0.0 if prefer is None else 1.0
@@ -546,7 +569,7 @@ def body_trial_with_cpp(port, error_feedback, prune, link_gbps):
     this rank, the plan kept and the verdict's step."""
     from tests.test_ddp import _close_gloo
 
-    auto.PRUNE = prune
+    auto.PRUNE, auto.AHEAD = prune, float("inf")  # AHEAD: no kind pruned for not being ahead of the C++ path
     state, train = _beside_ddps_own(port, error_feedback=error_feedback, link_gbps=link_gbps)
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
