@@ -130,7 +130,8 @@ CONFIDENCE = 2.0
 # noise, which a kind not ahead by MARGIN even on its faster step of two seldom does. Its turns would cost time,
 # and being coded, they move the trajectory: on lenet at `fast` the hook's coded kind stepped within 0.71-1.65x
 # of its fp32 plan (verdict medians over 40 fresh seeds, 6 under 0.95x), was kept on one, and its trial's coded
-# steps moved 23 of the 40 hits to the target (docs/time-to-accuracy.md, "Fresh seeds").
+# steps moved 23 of the 40 hits to the target. With AHEAD, coding went after the first pair on 19 seeds of 20
+# (docs/time-to-accuracy.md, "The trial drops a kind not ahead of the C++ path").
 AHEAD = 1 - MARGIN
 
 
