@@ -391,8 +391,8 @@ class AutoPlan:
         if self.decided:
             return
         now = time.perf_counter() if now is None else now
-        s, trial = self.steps, self.trial
-        trial.timed(s, None if self.step_end is None else now - self.step_end)
+        s = self.steps
+        self.trial.timed(s, None if self.step_end is None else now - self.step_end)  # _plan below makes a new trial
         self.step_end = now
         if 1 <= s < PLAN_STEP - 1 and self.groups:
             self.codec_s += codec_s
