@@ -15,11 +15,12 @@ where they spin 20 ms and then nap (hvd_terngrad.collectives). A method named tw
 `fp32,terngrad:auto,terngrad:auto+unchecked,terngrad:auto+unchecked,terngrad:auto,fp32` puts them side by
 side in one job, each order both ways. --interleave builds every method first and then takes one step of each
 in turn, so that the machine's drift over a job (its steps moved by 10-20% between methods run one after
-another) falls on every method alike. --uncoded fp32|fp16 puts transport="auto"'s plan with every group
+another) falls on every method alike. --uncoded fp32|fp16|bf16 puts transport="auto"'s plan with every group
 uncoded in that wire in force from the first planned step, untried (the wire's own cost, beside Horovod's fp16
-or FP32, without the trial's choice); on one method, the suffix `+coded`, `+fp32` or `+fp16` puts that kind of
-the trial in force for it alone (every group coded as the model says, or every group uncoded in the wire), so
-that `ddp:fp32,ddp:terngrad:auto+coded,ddp:terngrad:auto+fp32,ddp:terngrad:auto+fp16 --interleave` times each
+or FP32, without the trial's choice; bf16 on the DDP hook alone); on one method, the suffix `+coded`, `+fp32`,
+`+fp16` or `+bf16` puts that kind of the trial in force for it alone (every group coded as the model says, or
+every group uncoded in the wire), so that `ddp:fp32,ddp:terngrad:auto+coded,ddp:terngrad:auto+fp32,
+ddp:terngrad:auto+bf16 --interleave` times each
 kind auto can keep, side by side, over more steps than its trial has. Each method trains --steps steps on a
 fixed batch per rank; the median is over all but the first --warmup (50). Rank 0 prints a line per method;
 --early N adds each method's first N steps, one by one (where a trial's steps and a first step's set-up cost
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 from benchmarks.cluster import init_gloo
 
 SUFFIXES = ("+unchecked", "+naps", "+spins")
-KINDS = ("+coded", "+fp32", "+fp16")  # auto's kind forced (any front end's transport="auto")
+KINDS = ("+coded", "+fp32", "+fp16", "+bf16")  # auto's kind forced (any front end's transport="auto"; bf16: DDP's)
 EXTRA = ("float", "ddp:python", "ddp:fp16c")  # the methods this probe adds to hvd_terngrad.methods
 
 
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true", help="build every method first, then take one step "
                     "of each in turn: the machine's drift over a job then falls on all of them alike")
     ap.add_argument("--early", type=int, default=0, help="also print each method's first N steps, one by one")
-    ap.add_argument("--uncoded", choices=("fp32", "fp16"), help="auto: every group uncoded in this wire, untried")
+    ap.add_argument("--uncoded", choices=("fp32", "fp16", "bf16"), help="auto: every group uncoded in this wire, untried")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)

@@ -1,12 +1,15 @@
-// The DDP hook's fp32 averages in C++ (hvd_terngrad/ddp.py: TernGradState.register), built against torch as the
-// extension hvd_terngrad._ddp_hook where setup.py finds torch at build time.
+// The DDP hook's fp32 and bf16 averages in C++ (hvd_terngrad/ddp.py: TernGradState.register), built against torch as
+// the extension hvd_terngrad._ddp_hook where setup.py finds torch at build time.
 //
 // Why: where transport="auto" keeps every bucket in fp32 (a fast link), the hook's work is DDP's own allreduce
 // plus a pass and a few reads, yet any hook written in Python costs its step 5-6% against DDP's built-in C++
 // allreduce on the emulated fast cluster (docs/time-to-accuracy-log.md, "The DDP hook in C++"): the hook's call,
 // the allreduce's launch and the callback each cross into Python. Here those steps run with no Python: the
 // scaling by 1/N with the largest |value| read in the same pass (the codec's tg_scale, given by address), the
-// allreduce on the hook's own process group, and the check of the average where a rank's marker can be.
+// allreduce on the hook's own process group, and the check of the average where a rank's marker can be. In bf16
+// (half the bytes, fp32's exponent range: no scale to choose, nothing overflows that fp32 would not) the scaled
+// buffer is rounded into a bf16 copy, which travels, and read back into the buffer before the check: a rank's
+// markers (+Inf, zeros) survive the rounding.
 //
 // Everything else stays in Python, in one home: every bucket goes to terngrad_hook until Python turns this path on
 // (Control.enable, between steps: auto's plan for the next step is fp32 for every bucket, on the CPU, in its trial
@@ -44,6 +47,7 @@ struct Layout {
   std::vector<int64_t> at;               // the positions to read; all of them where `whole`
   bool whole = false;                    // a marker can be almost anywhere: read the whole average
   int nthreads = 1;                      // tg_scale's threads for this buffer
+  mutable at::Tensor wire;               // the bf16 copy that travels (made on the first bf16 average)
 
   bool fits(const at::Tensor& buf, const std::vector<at::Tensor>& ps) const {
     if (buf.data_ptr() != buffer || buf.numel() != numel || ps.size() != params.size()) return false;
@@ -74,6 +78,7 @@ struct Control {
   float factor = 1.0f;                          // 1 / size, as DDP's reducer scales
   double limit = 0.0;                           // the largest |value| a rank sends (ddp._sendable)
   ScaleFn scale = nullptr;                      // the codec's tg_scale
+  bool bf16 = false;                            // the average travels in bf16 (else in fp32, in place)
   int64_t step = 0;                             // the pipeline's step, which Python's step_done advances
   py::object native;                            // a weakref to ddp._Native, the calls into Python (it holds this)
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts;  // bucket index -> its layout
@@ -122,11 +127,16 @@ class Hook final : public c10d::CommHookInterface {
                 "hvd_terngrad: tg_scale failed on DDP bucket ", index);
     const int64_t step = c.step;
     if (!(top <= c.limit)) call("mark", index);  // NaN included: the tensors beyond the limit carry this rank's marker
-    std::vector<at::Tensor> tensors{buf};
+    at::Tensor sent = buf;
+    if (c.bf16) {
+      if (!layout->wire.defined()) layout->wire = at::empty({buf.numel()}, buf.options().dtype(at::kBFloat16));
+      sent = layout->wire.copy_(buf);
+    }
+    std::vector<at::Tensor> tensors{sent};
     FuturePtr sum = c.group->allreduce(tensors)->getFuture();
     std::weak_ptr<Control> weak = control_;
     FuturePtr checked = sum->then(
-        [weak, buf, layout, index, step](Future& f) -> c10::IValue {
+        [weak, buf, sent, layout, index, step](Future& f) -> c10::IValue {
           std::shared_ptr<Control> ctl = alive(weak);
           if (f.hasError()) {
             std::string what;
@@ -137,6 +147,7 @@ class Hook final : public c10d::CommHookInterface {
             }
             throw std::runtime_error(call_on(*ctl, "failed", index, what, step));
           }
+          if (!sent.is_same(buf)) buf.copy_(sent);  // the bf16 average back into the bucket
           if (!layout->finite(buf.data_ptr<float>()) && call_on(*ctl, "nonfinite", index, step) == "held")
             ctl->held.store(true);
           return c10::IValue(buf);
@@ -277,10 +288,11 @@ std::shared_ptr<Control> register_hook(py::object reducer, py::object native, py
 }  // namespace
 
 PYBIND11_MODULE(_ddp_hook, m) {
-  m.doc() = "The DDP hook's fp32 averages in C++ (hvd_terngrad.ddp.TernGradState.register)";
+  m.doc() = "The DDP hook's fp32 and bf16 averages in C++ (hvd_terngrad.ddp.TernGradState.register)";
   py::class_<Control, std::shared_ptr<Control>>(m, "Control")
       .def("enable",
-           [](Control& c, py::object group, int size, uintptr_t scale, double limit, int64_t step, bool at_end) {
+           [](Control& c, py::object group, int size, uintptr_t scale, double limit, int64_t step, bool at_end,
+              bool bf16) {
              c.group = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              c.size = size;
              c.factor = static_cast<float>(1.0 / size);  // as Python's ctypes.c_float(1.0 / size)
@@ -288,10 +300,11 @@ PYBIND11_MODULE(_ddp_hook, m) {
              c.scale = reinterpret_cast<ScaleFn>(scale);
              c.step = step;
              c.at_end = at_end;
+             c.bf16 = bf16;
              c.on.store(true);
            },
            "From the next bucket on, every bucket is averaged here (call between steps); at_end: each step's end "
-           "in Python once it has completed, not at its last launch.")
+           "in Python once it has completed, not at its last launch; bf16: the averages travel in bf16.")
       .def("disable", [](Control& c) { c.on.store(false); }, "From the next bucket on, terngrad_hook averages.")
       .def_property_readonly("on", [](const Control& c) { return c.on.load(); });
   m.def("register", &register_hook,

@@ -84,7 +84,7 @@ import time
 
 from hvd_terngrad.commcost import Link, allreduce_time
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
-from hvd_terngrad.transports.uncoded import FP32, WIRES
+from hvd_terngrad.transports.uncoded import FP32, UNCODED, WIRES
 
 PLAN_STEP = 4  # steps sent in fp32 and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
@@ -196,10 +196,11 @@ class Trial:
 
     __slots__ = ("order", "favoured", "preferred", "times", "left", "verdict", "noise")
 
-    def __init__(self, order: list[int] | None = None, favoured: list[int] | None = None, preferred: int | None = None):
+    def __init__(self, order: list[int] | None = None, favoured: list[int] | None = None,
+                 preferred: list[int] | None = None):
         self.order = order or [0]  # the kinds in a round's order (AutoPlan._try: no fp32 step after a coded one)
         self.favoured = favoured or []  # the kinds on the model's side of coding (MARGIN)
-        self.preferred = preferred  # the kind the front end runs on a faster path (AutoPlan.prefer); None: none
+        self.preferred = preferred or []  # the kinds the front end runs on a faster path (AutoPlan.prefer)
         self.times: list[list[float]] = [[] for _ in self.order]  # this rank's step seconds of each kind
         self.left: list[int] | None = None  # the kinds tried after the first pair (_prune); None: every kind
         self.verdict: tuple[float, ...] | None = None  # each kind's step seconds, every rank alike
@@ -260,11 +261,11 @@ class Trial:
 
     def _prune(self, firsts: list[float]) -> None:
         """The kinds left for the rest of the trial: those whose faster step of the first pair (on the slowest
-        rank) was within PRUNE of the fastest kind's, and where the preferred kind is the default, ahead of it
-        (AHEAD). Where one is left, this step is the verdict's."""
-        fastest, p = min(firsts), self.preferred if self.preferred in self.favoured else None
-        self.left = [k for k in self.order if firsts[k] <= PRUNE * fastest
-                     and (p is None or k == p or firsts[k] < AHEAD * firsts[p])]
+        rank) was within PRUNE of the fastest kind's, and where the preferred kinds are the default's, ahead of
+        the faster of them (AHEAD). Where one is left, this step is the verdict's."""
+        fastest, p = min(firsts), [k for k in self.preferred if k in self.favoured]
+        ahead = AHEAD * min(firsts[k] for k in p) if p else math.inf
+        self.left = [k for k in self.order if firsts[k] <= PRUNE * fastest and (k in p or firsts[k] < ahead)]
 
     def _left(self) -> list[int]:
         """The kinds still tried (_prune): every kind before the pruning step, or where none was pruned."""
@@ -272,9 +273,9 @@ class Trial:
 
     def _default(self, left: list[int]) -> int:
         """The kind kept unless another is clearly faster: among the kinds left on the model's side of coding
-        (all of them where none is), the front end's preferred kind, else the fastest."""
+        (all of them where none is), the fastest of the front end's preferred kinds there, else the fastest."""
         ours = [k for k in left if k in self.favoured] or left
-        return self.preferred if self.preferred in ours else min(ours, key=lambda k: self.verdict[k])
+        return min([k for k in ours if k in self.preferred] or ours, key=lambda k: self.verdict[k])
 
     def _clearly_faster(self, a: int, b: int) -> bool:
         """Whether kind a's step is shorter than the default b's by more than the trial can mistake: MARGIN, and
@@ -282,7 +283,7 @@ class Trial:
         if a == b:
             return False
         n_a, n_b = len(self.times[a]), len(self.times[b])  # the same on every rank
-        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if b == self.preferred else 0.0
+        error = 1.2533 * self.noise * math.sqrt(1 / n_a + 1 / n_b) if b in self.preferred else 0.0
         return self.verdict[a] < (1 - max(MARGIN, CONFIDENCE * error)) * self.verdict[b]
 
 
@@ -310,7 +311,7 @@ class AutoPlan:
         self.first: tuple[float, float] | None = None  # this step's first group: (ready, encode seconds so far)
         self.last: tuple[float, float] | None = None  # and its last
         self.agreed: tuple[float, float] | None = None  # (seconds per element, window), the same on every rank
-        self.prefer: str | None = None  # the wire whose plan the front end runs on a faster path: offered, then agreed
+        self.prefer: tuple[str, ...] = ()  # the wires whose plans the front end runs on a faster path: offered, agreed
         self.trials: list[tuple[set[str] | None, str | None, str]] = []  # the plans tried, in turn with coding
         self.trial = Trial()  # their timing and verdict
         self.step_end: float | None = None  # when the last step ended (time.perf_counter())
@@ -331,7 +332,7 @@ class AutoPlan:
         return {"tried": [{"coding": "every group" if c is None else sorted(c), "transport": t}
                           | ({} if c is None else {"uncoded": w}) for c, t, w in self.trials],
                 "step_seconds_coded_tried": trial.verdict, "left_after_first_pair": trial.left,
-                "model_side": trial.favoured, "preferred_wire": self.prefer, "step_noise": trial.noise,
+                "model_side": trial.favoured, "preferred_wires": list(self.prefer), "step_noise": trial.noise,
                 "kept": self.kept, "uncoded_now": self.coded is not None, "transport_now": self.transport,
                 "uncoded_wire_now": self.wire if self.coded is not None else None}
 
@@ -350,11 +351,12 @@ class AutoPlan:
         measurement, whose own codec time nothing reads (it keeps the groups of the step before)."""
         return self.steps < PLAN_STEP - 1
 
-    def offer(self, wire: str | None) -> None:
-        """The wire whose plan the front end runs on a faster path on this rank (None: none), offered at each
-        step's end until the plan takes the wire every rank offered (prefer)."""
+    def offer(self, wires: tuple[str, ...]) -> None:
+        """The wires whose plans the front end runs on a faster path on this rank (the first where the plan is
+        untried: TRIAL_PAIRS = 0; none: ()), offered at each step's end until the plan takes the wires every rank
+        offered (prefer)."""
         if self.steps < PLAN_STEP:
-            self.prefer = wire
+            self.prefer = tuple(wires)
 
     def arrived(self, key: str, numel: int, tensors: int, scaler_bytes: int, ready: float,
                 encoded: float | None) -> None:
@@ -371,19 +373,19 @@ class AutoPlan:
         if self.steps >= PLAN_STEP:  # the trial's pruning or verdict step
             return self.trial.carried(self.steps)
         per_element = self.codec_s / self.coded_numel if self.coded_numel else 0.0
-        offered = 1.0 + WIRES.index(self.prefer) if self.prefer in WIRES else 0.0  # both ways: the Max finds a mismatch
+        offered = float(_wire_bits(self.prefer))  # both ways: the Max finds a mismatch
         return [per_element, -(sum(self.windows) / len(self.windows) if self.windows else 0.0), offered, -offered]
 
     def agree(self, values: list[float]) -> None:
         """The carried values after the Max allreduce (every group carries the same): the slowest codec and
-        the shortest window, and the wire every rank offered (None where they differ: then no rank plans on a
+        the shortest window, and the wires every rank offered (none where they differ: then no rank plans on a
         path one of them lacks); or, in the trial, each kind's step on the slowest rank (Trial.agree)."""
         if self.steps >= PLAN_STEP:
             self.trial.agree(self.steps, values)
             return
         self.agreed = (values[0], -values[1])
         highest, lowest = values[2], -values[3]
-        self.prefer = WIRES[int(highest) - 1] if highest == lowest and highest > 0 else None
+        self.prefer = self.prefer if highest == lowest and highest > 0 else ()  # all alike: this rank's offer
 
     def step_done(self, codec_s: float, size: int, link: Link, int8: bool, now: float | None = None) -> None:
         """The end of a step (codec_s: its rehearsals' encode + decode seconds): its measurement, the plan in
@@ -428,13 +430,12 @@ class AutoPlan:
         per_element, window = self.agreed
         costs = {k: group_costs(n, t, b, size, link, per_element, int8) for k, (n, t, b) in self.groups.items()}
         chosen = plan(costs, window)
-        codes_all, wires, trials = chosen == set(costs), WIRES, []
+        codes_all, trials = chosen == set(costs), []
         if codes_all:  # every group coded (module docstring)
             sharded = any(TRANSPORTS[choose_transport(n, size, link, int8=int8)].reply_collective
                           for n, _, _ in self.groups.values())
             chosen, trials = set(), [(None, "allgather", "fp32")] if sharded else []
-        elif not chosen and self.prefer is not None:  # its plan on the front end's faster path, alone (WIRES)
-            wires = (self.prefer,)
+        wires = self.prefer if self.prefer and not chosen else WIRES  # every group uncoded: the faster path's wires
         self._try(trials + [(chosen, None, wire) for wire in wires], codes_all)
         if TRIAL_PAIRS == 0:  # tests: the first plan in force, untried
             self.kept, self.steps = 0, self.trial.verdict_step
@@ -444,15 +445,19 @@ class AutoPlan:
         uncoded groups in fp32 last: an fp32 step then follows an fp16 or fp32 one, never a coded one, whose
         residuals (error feedback) it would merge in Python, off the C++ path it runs on once kept
         (ddp._Native.steer). The model's side: the kinds that code every group where it does, else its plan's.
-        The preferred kind: the plan that sends every group uncoded in the wire the front end prefers."""
+        The preferred kinds: the plans that send every group uncoded in a wire the front end prefers."""
         self.trials = trials
         wire = [None] + [w if c is not None else None for c, _, w in trials]  # each kind's uncoded wire
         codes_every = [True] + [c is None for c, _, _ in trials]
-        preferred = [k for k, (c, _, w) in enumerate(trials, 1) if self.prefer is not None and w == self.prefer
-                     and c is not None and not c]
+        preferred = [k for k, (c, _, w) in enumerate(trials, 1) if w in self.prefer and c is not None and not c]
         self.trial = Trial(sorted(range(1 + len(trials)), key=lambda k: wire[k] == "fp32"),
                            [k for k, every in enumerate(codes_every) if every == codes_all],
-                           preferred[0] if preferred else None)
+                           preferred)
+
+
+def _wire_bits(wires: tuple[str, ...]) -> int:
+    """The wires offered as one number, a bit each (transports.uncoded.UNCODED's order): docs/wire-format.md, 9."""
+    return sum(1 << list(UNCODED).index(w) for w in wires)
 
 
 def _unpaused(times: list[float]) -> list[float]:

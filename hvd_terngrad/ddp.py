@@ -29,7 +29,8 @@ Where transport="auto" sends every bucket uncoded in fp32, no coded bucket's col
 and the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
 (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
 collective in a callback). Registered with TernGradState.register, those averages run in C++ once auto has
-decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast link 5-6%. In fp16 a
+decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast link 5-6%; there they
+can travel in bf16 too (NATIVE_WIRES), as torch's bf16_compress_hook sends them. In fp16 a
 tensor that outgrew its scale needs a second average (transports.uncoded), which a callback may not start: the
 hook launches each bucket's fp16 average itself, in launch order, and the worker finishes the step's buckets
 after the last launch (TernGradState._all_uncoded).
@@ -59,6 +60,13 @@ from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError, 
 from hvd_terngrad.finite import mark, marked_rank, marker_positions, nonfinite, nonfinite_average
 from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
+from hvd_terngrad.transports.uncoded import UNCODED
+
+# The wires of the plans the C++ path averages (_Native.steer), offered to transport="auto" as its faster path
+# (AutoPlan.offer): fp32 first, the plan in force where auto's plan is untried. bf16 halves the bytes for two passes
+# (the rounding, and the reading back), which the trial weighs; fp16 needs a scale per tensor and, where one
+# outgrows it, a second average, which the C++ path does not make.
+NATIVE_WIRES = ("fp32", "bf16")
 
 
 class TernGradState:
@@ -495,41 +503,45 @@ class _Native:
     value is out of range, and the step's end once a step. It averages as _OwnAverages.start does, whose
     docstring says why each piece is there. It holds its state weakly, as start()'s callbacks do."""
 
-    __slots__ = ("owner", "control", "at_end", "named", "mine", "held", "__weakref__")
+    __slots__ = ("owner", "control", "at_end", "wire", "named", "mine", "held", "__weakref__")
 
     def __init__(self, owner: TernGradState):
         self.owner = weakref.ref(owner)
         self.control = None  # hvd_terngrad._ddp_hook.Control: on, or off (every bucket to terngrad_hook)
         self.at_end = False  # whether it ends each step once completed (auto's trial), as last enabled
+        self.wire = "fp32"  # what the averages travel in (NATIVE_WIRES), as last enabled
         self.named: dict = {}  # bucket index -> (its gradients as TernGradState._named, its bytes)
         self.mine: dict = {}  # bucket index -> the tensors this rank marked there this step (finite.mark)
         self.held: list = []  # this step's non-finite averages, (bucket index, error), raised by the last bucket
 
     def steer(self) -> None:
         """At a step's end (TernGradState._step_ends): whether the C++ path averages the next step. It does where
-        transport="auto"'s plan for it sends every bucket in fp32, in its trial (whose steps it then ends once
-        they have completed, as the other kinds' steps end, so that the trial times each kind alike) or decided,
-        where no residual of a coded step is left to merge (with error feedback, the fp32 step after a coded one
-        merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose codec has
-        tg_scale. Otherwise terngrad_hook averages the next step. Where this path can run the fp32 plan, auto's
-        trial keeps another wire only where it is clearly faster (AutoPlan.prefer): on a fast link, the fp16 plan
-        in Python costs a step what any Python hook does, and the trial's six steps cannot resolve that."""
+        transport="auto"'s plan for it sends every bucket in a wire of NATIVE_WIRES, in its trial (whose steps it
+        then ends once they have completed, as the other kinds' steps end, so that the trial times each kind
+        alike) or decided, where no residual of a coded step is left to merge (with error feedback, the step after
+        a coded one merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose
+        codec has tg_scale. Otherwise terngrad_hook averages the next step. Where this path can run them, auto's
+        trial tries the plan in these wires alone and keeps another kind only where it is clearly faster
+        (AutoPlan.prefer): on a fast link, the fp16 plan in Python costs a step what any Python hook does, and
+        the trial's six steps cannot resolve that."""
         if self.control.on and not self.at_end:  # the plan kept: nothing here changes (load_state_dict turns it off)
             return
         owner = self.owner()
         pipe = owner.pipeline
-        fp32, trying = owner._all_uncoded() == "fp32", pipe.auto is not None and not pipe.auto.decided
-        backend = self._backend(owner) if fp32 or trying else None
-        if trying:  # where this path runs the fp32 plan, its wire is auto's default
-            pipe.auto.offer("fp32" if backend is not None else None)
-        if backend is None or not fp32 or pipe.coder.feedback.worker:
+        wire, trying = owner._all_uncoded(), pipe.auto is not None and not pipe.auto.decided
+        native = wire in NATIVE_WIRES
+        backend = self._backend(owner) if native or trying else None
+        if trying:  # where this path runs the plan, its wires are auto's default
+            pipe.auto.offer(NATIVE_WIRES if backend is not None else ())
+        if backend is None or not native or pipe.coder.feedback.worker:
             self.control.disable()
             return
         at_end = not pipe.auto.decided
-        if not self.control.on or self.at_end != at_end:
+        if not self.control.on or self.at_end != at_end or self.wire != wire:
             size = owner.world.size
-            self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), pipe.step, at_end)
-            self.at_end = at_end
+            self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), pipe.step, at_end,
+                                wire == "bf16")
+            self.at_end, self.wire = at_end, wire
 
     @staticmethod
     def _backend(owner: TernGradState):
@@ -577,9 +589,10 @@ class _Native:
         """The step's end, its last allreduce launched: its byte counts, and the pipeline's next step."""
         owner = self.owner()
         pipe, size = owner.pipeline, owner.world.size
+        sent = UNCODED[self.wire].element_bytes  # a value's bytes on the wire, of the buffer's 4
         for index in buckets:
             named, nbytes = self.named[index]
-            pipe.stats.add_float(nbytes, size, tensors=len(named))
+            pipe.stats.add_float(nbytes * sent // 4, size, tensors=len(named))
         owner._step_ends()
         return pipe.step
 

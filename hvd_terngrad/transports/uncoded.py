@@ -20,6 +20,12 @@ which measures it. The average is a copy, so the rank's gradient stays for a sec
 finite and no rank's gradient was, the gradient outgrew the scale's headroom, and every rank averages that tensor
 again in fp32 in the same step. Nothing is lost or clipped; what fp16's 11 significant bits round is not fed back
 into error feedback's residual (a relative 2^-11, against a 2-bit code's whole scaler).
+
+bf16 (BF16, half the bytes, fp32's exponent range): a copy, rounded to bf16 with no scale, for the front ends whose
+collectives sum bf16 (torch.distributed; Horovod's allreduce takes no bf16), and so only where the front end
+offers it (hvd_terngrad.auto, AutoPlan.offer: the DDP hook, whose C++ path averages it as this does, to the
+bit where N is a power of two). What its 8 significant bits round is not fed back either (a relative 2^-8).
+A non-finite average is found and named as fp32's copy is.
 """
 from __future__ import annotations
 
@@ -78,12 +84,12 @@ class Uncoded(Transport):
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
-        self.name = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+        self.name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
         self.element_bytes = torch.finfo(dtype).bits // 8
 
     def encode(self, coder, items):
         """The group's gradients (their residuals merged in: Coder.plain), to average. fp32: one tensor, in place
-        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. fp16: a copy, each tensor at
+        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. bf16: a copy. fp16: a copy, each tensor at
         its scale, and the tensors whose magnitude is not known (or zero) in a second copy, in fp32. A
         non-finite average asks which of them were non-finite here, which a copy can tell afterwards and in
         place must be known before."""
@@ -98,7 +104,9 @@ class Uncoded(Transport):
                 coder.stats.add_float(items[i].numel * 4, coder.size)
             return [(values, known), (_fp32_copy(items, unknown), unknown)], items, coder, None, scales
         for it in items:
-            coder.stats.add_float(it.numel * 4, coder.size)
+            coder.stats.add_float(it.numel * self.element_bytes, coder.size)
+        if self.dtype is torch.bfloat16:
+            return [(_copy(items, range(len(items)), self.dtype), list(range(len(items))))], items, coder, None, None
         values = _span(items)
         flags = None
         if values is None:
@@ -199,7 +207,7 @@ class Uncoded(Transport):
             part = h.parts[i]
             if part.dtype != torch.float16:
                 if out[i] is None:
-                    out[i] = part
+                    out[i] = part.float()  # bf16 read back; fp32 as it is
                 elif out[i].data_ptr() != part.data_ptr():
                     out[i].copy_(part)
             if i in h.absmax:
@@ -218,13 +226,26 @@ class Uncoded(Transport):
 
 FP32 = Uncoded(torch.float32)
 FP16 = Uncoded(torch.float16)
-UNCODED = {t.name: t for t in (FP32, FP16)}  # what auto's plans send an uncoded group in
-WIRES = tuple(UNCODED)
+BF16 = Uncoded(torch.bfloat16)
+UNCODED = {t.name: t for t in (FP32, FP16, BF16)}  # what auto's plans send an uncoded group in
+WIRES = (FP32.name, FP16.name)  # the wires every front end's collectives average in (Horovod's allreduce takes no bf16)
 
 
 def _fp32_copy(items, indices) -> torch.Tensor:
     """The gradients of items[indices], back to back in one fp32 tensor (a copy)."""
-    return torch.cat([items[i].flat.reshape(-1).float() for i in indices]) if indices else torch.empty(0)
+    return _copy(items, indices, torch.float32)
+
+
+def _copy(items, indices, dtype: torch.dtype) -> torch.Tensor:
+    """The gradients of items[indices], back to back in one tensor of `dtype` (a copy, rounded where narrower)."""
+    indices = list(indices)
+    out = torch.empty(sum(items[i].numel for i in indices), dtype=dtype, device=items[indices[0]].flat.device
+                      if indices else "cpu")
+    off = 0
+    for i in indices:
+        out[off: off + items[i].numel].copy_(items[i].flat.reshape(-1))
+        off += items[i].numel
+    return out
 
 
 def _span(items) -> torch.Tensor | None:
