@@ -675,7 +675,8 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
     bucket's hook late (0.1 s), so that the later hook meets a completed allreduce whose callback is still
     running. What each rank's backward raised, and at which step; the training then tears its process group
     down at once, as a user's loop would. native: registered with TernGradState.register, whose C++ path then
-    averages the buckets from the step after the plan's first (checked)."""
+    averages the buckets from the step after the plan's first (checked); a layout ending in "_bf16" puts the plan
+    in force in bf16 there."""
     import time
 
     import hvd_terngrad.ddp
@@ -690,6 +691,8 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
         auto.WIRES = ("fp16",)
     if layout == "bf16_last_slow":
         _slow_average_callbacks(0.3, 0.1)
+    if layout.endswith("_bf16"):
+        hvd_terngrad.ddp.NATIVE_WIRES = ("bf16", "fp32")
     model = G.Net() if not bf16 else _WithBf16Scale()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if "buckets" in layout else 25)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
@@ -697,7 +700,7 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
     at = [0]  # the step the loop is at
     if bf16 and rank == 1:  # a NaN in one fp32 tensor only: the bf16 bucket stays finite
         model.net.body[4].weight.register_hook(lambda g: g * float("nan") if at[0] == PLAN_STEP + 1 else g)
-    if layout == "huge" and rank == 1:  # one finite value in one tensor, within a factor 2 of fp32's largest
+    if layout.startswith("huge") and rank == 1:  # one finite value in one tensor, within a factor 2 of fp32's largest
         model.body[4].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([7]), 3e38)
                                            if at[0] == PLAN_STEP + 1 else g)
     if native:
@@ -720,11 +723,13 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
         at[0] = step
         if step > PLAN_STEP and state.native != native:
             raise AssertionError(f"the C++ path is {'off' if native else 'on'} at step {step}")
+        if step >= PLAN_STEP and layout.endswith("_bf16") and state.pipeline.auto.wire != "bf16":
+            raise AssertionError(f"the plan in force at step {step} is not in bf16")
         loss = G.loss(ddp, rank, step)
         if (rank, step) == (1, PLAN_STEP + 1) and fault == "stuck":
             time.sleep(60)
         try:
-            nan = (rank, step) == (1, PLAN_STEP + 1) and not bf16 and layout != "huge"
+            nan = (rank, step) == (1, PLAN_STEP + 1) and not bf16 and not layout.startswith("huge")
             (loss * (float("nan") if nan else 1.0)).backward()
             if fault == "propagate":  # per step: whether every gradient is all NaN, or all finite
                 grads = [p.grad for p in model.parameters()]
@@ -768,8 +773,9 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
 @pytest.mark.parametrize("port,late_s,layout,native", [
     (29693, 0.0, "buckets", False), (29699, 2.0, "buckets", False), (29701, 0.0, "one_bucket", False),
     (29703, 0.0, "bf16_last", False), (29709, 0.0, "bf16_last_slow", False),
-    (29773, 2.0, "buckets", True)],
-    ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback", "late_rank_cpp"])
+    (29773, 2.0, "buckets", True), (29795, 2.0, "buckets_bf16", True)],
+    ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback", "late_rank_cpp",
+         "late_rank_cpp_bf16"])
 def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout,
                                                                                             native):
     """The error leaves with the step's last bucket, whichever way that went. late_rank: raised from the first,
@@ -777,7 +783,8 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
     avoided", 6 runs of 10). bf16_last_slow_callback: the last bucket waited for the earlier allreduce, not for
     its callback, and the NaN step went on unraised (every run; once in a loaded test run without the delays).
     late_rank_cpp: the hook's C++ path (TernGradState.register) averages the NaN step (its one-bucket case:
-    test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank[cpp], the same path)."""
+    test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank[cpp], the same path); _bf16: in
+    bf16, whose rounding keeps a rank's marker."""
     if native:
         _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
@@ -791,16 +798,17 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,native", [(29685, False), (29777, True)], ids=["python", "cpp"])
-def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank(port, native):
+@pytest.mark.parametrize("port,native,layout", [(29685, False, "huge"), (29777, True, "huge"),
+                                                (29797, True, "huge_bf16")], ids=["python", "cpp", "cpp_bf16"])
+def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank(port, native, layout):
     """The hook's own fp32 average reads only where a marker can be, which holds because no rank sends a value
     whose sum could overflow: one beyond half of fp32's largest is marked as an overflow, and raised on every
     rank with its tensor and rank, though the rest of the average would have been finite. cpp: the hook's C++
-    path (TernGradState.register)."""
+    path (TernGradState.register); cpp_bf16: its bf16 average, whose range is fp32's."""
     if native:
         _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(port, "nan", 0.0, "huge", native))
+                        args=(port, "nan", 0.0, layout, native))
     for step, message in results:
         assert step == PLAN_STEP + 1
         assert "gradient in 'body.4.weight' on rank 1 at step" in message and "beyond ±1.7e+38" in message, message

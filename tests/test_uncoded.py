@@ -102,6 +102,36 @@ def test_an_fp16_average_is_within_its_rounding_of_the_exact_average_and_every_r
     assert pipes[0].coder.magnitudes["t2"] == pytest.approx(absmax(torch.cat(out[-1][3][0])), rel=1e-6)
 
 
+@pytest.fixture
+def bf16_untried(monkeypatch):
+    """The model's plan in force at once, untried, with its uncoded groups in bf16 (a wire only front ends whose
+    collectives sum bf16 offer: AutoPlan.offer)."""
+    monkeypatch.setattr(auto, "TRIAL_PAIRS", 0)
+    monkeypatch.setattr(auto, "WIRES", ("bf16",))
+
+
+def test_a_bf16_average_is_that_of_each_ranks_rounded_gradient_and_a_nan_still_names_its_rank(bf16_untried):
+    """bf16 needs no scale (fp32's exponent range): each rank's gradient rounded, summed, read back into fp32, the
+    same bits on every rank, at half fp32's bytes. A NaN is found in the average and named by a second
+    collective, as in fp32's copy."""
+    at = PLAN_STEP + 1
+    pipes, out = _run(at + 2, nan=(at + 1, 2))
+    for step, key, groups, averages, named in out:
+        if step < PLAN_STEP:
+            continue
+        assert {g.transport.name for g in groups} == {"bf16"}, (step, key)
+        if step == at + 1 and key == "bucket.0":
+            for p, g, a in zip(pipes, groups, averages):
+                assert [it.nonfinite_rank for it in g.items] == [-1, 2] and not bool(a[1].isfinite().all())
+                with pytest.raises(NonFiniteGradientError, match=r"'t1' on rank 2 at step"):
+                    p.coder.raise_nonfinite(p.nonfinite(g))
+            continue
+        rounded = horovod_average([torch.cat([t for _, t in nm]).bfloat16() for nm in named]).float()
+        assert all(a[0].dtype == torch.float32 and torch.equal(torch.cat(a), rounded) for a in averages), (step, key)
+    stats = pipes[0].stats.history  # a measured step in fp32 and a planned one in bf16: their bytes
+    assert stats[at].bytes_sent * 2 == stats[PLAN_STEP - 1].bytes_sent and stats[at].tensors_float == 3
+
+
 def test_a_gradient_that_outgrows_its_fp16_scale_is_averaged_again_in_fp32_in_the_same_step(fp16_untried):
     at = PLAN_STEP + 1
     pipes, out = _run(at + 2, spike=(at, 2))
