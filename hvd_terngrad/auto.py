@@ -27,8 +27,8 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   (the rehearsals' encode and decode time over the elements coded) and its window (the first group ready to the last
   group ready, less its own rehearsals in between where they ran on the same thread).
 - On the last of those steps each group's average goes with a Max allreduce of [seconds per element, -window,
-  w, -w], w naming the wire the front end offers (AutoPlan.offer): every rank reads the slowest codec, the
-  shortest window and whether every rank offered the same wire, and makes the same plan.
+  w, -w], w naming the wires the front end offers, a bit each (AutoPlan.offer): every rank reads the slowest
+  codec, the shortest window and whether every rank offered the same wires, and makes the same plan.
 - The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
   front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
   each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
@@ -41,32 +41,35 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   kind; the median of all six did, but moved up to the upper steps of those left.) Tried in
   blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
   warranted (measured: docs/time-to-accuracy-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
-  it would once kept: DDP's hook averages the fp32 plan's steps on its C++ path (ddp._Native.steer); timed
-  on the Python hook, the plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the coded
-  kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the step
-  after a coded one merges the coded step's residuals, in Python (AutoPlan._try). A coded step then
+  it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp._Native.steer);
+  timed on the Python hook, the fp32 plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the
+  coded kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the
+  step after a coded one merges the coded step's residuals, in Python (AutoPlan._try). A coded step then
   carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
   slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN;
-  over the front end's preferred wire, also by CONFIDENCE standard errors at the noisiest rank's spread). The
+  over the front end's preferred wires, also by CONFIDENCE standard errors at the noisiest rank's spread). The
   default is the fastest kind on the model's side of coding (coding every group where the model does, else its
-  plan), or there the plan in the wire the front end runs on a faster path (AutoPlan.prefer: the DDP hook's
-  C++ path, fp32). Kinds closer than that the trial cannot tell apart, and the model, or the front end, has
-  judged that choice; the model has not judged the wire of its plan (fp32 or fp16: what a byte costs against
-  a pass), which the trial's fastest decides where the front end prefers neither.
+  plan), or there the fastest plan in a wire the front end runs on a faster path (AutoPlan.prefer: the DDP
+  hook's C++ path, fp32 and bf16). Kinds closer than that the trial cannot tell apart, and the model, or the
+  front end, has judged that choice; the model has not judged the wire of its plan (fp32 or 16 bits: what a byte
+  costs against a pass), which the trial's fastest decides.
 - After the first pair of rounds a coded step carries each kind's faster step of that pair, and the kinds
   slower than PRUNE times the fastest are tried no more: a kind far behind on both of its steps does not win
   the median of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take
   1.25-2.6 times its fastest kind's step: NCF's trial on a fast link codes 4 steps, not 7). The faster of
-  two steps, so that a pause between steps, which lands on one, prunes nothing. Where the default is the front
-  end's preferred wire, a kind not ahead of it by MARGIN on that step is tried no more either (AHEAD). Where one
+  two steps, so that a pause between steps, which lands on one, prunes nothing. Where the default is among the
+  front end's preferred wires, a kind not ahead of the faster of them by MARGIN on that step is tried no more
+  either (AHEAD). Where one
   kind is left, it is kept there and then; where none is pruned, the pruning step is one coded step more.
-- The plan is tried with its uncoded groups in fp32 and, as a second kind, in fp16 (half the bytes for a
-  pass of the codec over each tensor each way: transports.uncoded, which scales each tensor so that nothing
-  overflows or underflows unseen). Which pays depends on what a byte costs against a pass, which the
-  model does not know. But where the model codes no group and the front end runs that plan in one wire on a
-  faster path (prefer), the plan is tried in that wire alone: against the DDP hook's C++ fp32 path the fp16
-  plan, in Python, was kept on 2 seeds of 70 on `fast` (which then trained at 0.92x and 0.95x DDP FP32), and
-  its turns cost every trial time (docs/time-to-accuracy.md, "The trial's fixed cost").
+- The plan is tried with its uncoded groups in fp32 and, as a second kind, in 16 bits (half the bytes for a
+  pass or two over each tensor: transports.uncoded), fp16 (WIRES, which every front end's collectives sum, each
+  tensor scaled so that nothing overflows or underflows unseen). Which pays depends on what a byte costs
+  against a pass, which the model does not know. But where every group is uncoded and the front end runs
+  that plan on a faster path (prefer), the plan is tried in that path's wires alone: the DDP hook's C++ path
+  averages in fp32 and bf16 (fp32's exponent range: no scale). Against that fp32 path the fp16 plan, in Python,
+  was kept on 2 seeds of 70 on `fast` (which then trained at 0.92x and 0.95x DDP FP32), and its turns cost
+  every trial time (docs/time-to-accuracy.md, "The trial's fixed cost"); in bf16 there, lenet's step was 5%
+  shorter than DDP FP32's (docs/time-to-accuracy.md, "The hook's bf16 plan on its C++ path").
 - Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
   must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
   some group takes the sharded transport, every group coded with the allgather (the latency of the sharded
@@ -88,7 +91,7 @@ from hvd_terngrad.transports.uncoded import FP32, UNCODED, WIRES
 
 PLAN_STEP = 4  # steps sent in fp32 and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
-MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan)
+MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan; a front end offers no more wires than WIRES)
 # A kind whose faster step of the first pair of rounds took more than PRUNE times the fastest kind's faster
 # step is tried no more: the trial's time goes to the kinds that can still win. In the trials recorded in
 # results/time_to_accuracy*/ (a kind's trial step over the fastest kind's), NCF's coded kinds
@@ -105,9 +108,9 @@ PRUNE = 1.5
 # 0.94x DDP FP32 (docs/time-to-accuracy.md, "The trial's verdict: pauses left out, the model's side on a tie").
 PAUSE = 2.0
 # A kind on the other side of coding from the model (coding every group where its plan leaves groups uncoded,
-# or a plan where it codes every group), or a wire other than the one the front end runs fastest (prefer), is
+# or a plan where it codes every group), or a wire other than those the front end runs fastest (prefer), is
 # kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and where the
-# default is the front end's preferred wire, by more than CONFIDENCE standard errors of the difference of the two
+# default is in a wire the front end prefers, by more than CONFIDENCE standard errors of the difference of the two
 # kinds' medians, taken from the trial's own noise (_trial_noise). Six steps a kind do not tell closer kinds
 # apart on a shared machine: forced side by side for 400 steps each, the DDP hook's kinds on lenet at `fast`
 # stepped within 6% of each other (the fp32 plan fastest, coding 1-4% behind it), while its trial steps there
@@ -118,15 +121,15 @@ PAUSE = 2.0
 # steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's noisy NCF trials at 1 Gbit/s kept
 # coding on 4 seeds of 10 where the fp16 plan stepped a quarter faster (docs/time-to-accuracy.md, "NCF at 1
 # Gbit/s on fresh seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where
-# the model has no side (between the wires of its plan: it does not know what a byte costs against a pass) and
-# the front end prefers no wire, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its
+# the model has no side (between the wires of its plan: it does not know what a byte costs against a pass), and
+# the front end prefers both or neither, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its
 # fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md,
 # "The trial's noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
-# Where the default is the front end's preferred kind (the DDP hook's C++ fp32 path, where the model codes
-# nothing), a kind whose faster step of the first pair was not shorter than AHEAD times the preferred kind's is
-# tried no more either: to be kept it must beat that kind by MARGIN and by CONFIDENCE standard errors of the
+# Where the default is among the front end's preferred kinds (the DDP hook's C++ path, where the model codes
+# nothing), a kind whose faster step of the first pair was not shorter than AHEAD times the faster preferred kind's
+# is tried no more either: to be kept it must beat that kind by MARGIN and by CONFIDENCE standard errors of the
 # noise, which a kind not ahead by MARGIN even on its faster step of two seldom does. Its turns would cost time,
 # and being coded, they move the trajectory: on lenet at `fast` the hook's coded kind stepped within 0.71-1.65x
 # of its fp32 plan (verdict medians over 40 fresh seeds, 6 under 0.95x), was kept on one, and its trial's coded
@@ -442,17 +445,18 @@ class AutoPlan:
 
     def _try(self, trials: list[tuple[set[str] | None, str | None, str]], codes_all: bool) -> None:
         """The trial of coding against these plans. A round runs the coded kind first and the plan that sends its
-        uncoded groups in fp32 last: an fp32 step then follows an fp16 or fp32 one, never a coded one, whose
+        uncoded groups in fp32 last: an fp32 step then follows a 16-bit or fp32 one, never a coded one, whose
         residuals (error feedback) it would merge in Python, off the C++ path it runs on once kept
-        (ddp._Native.steer). The model's side: the kinds that code every group where it does, else its plan's.
+        (ddp._Native.steer). A bf16 plan's step follows a coded one in the first round of a pair, there in Python
+        with error feedback (2 of its 6 steps, which its median of six weighs less than a mean would). The model's
+        side: the kinds that code every group where it does, else its plan's.
         The preferred kinds: the plans that send every group uncoded in a wire the front end prefers."""
         self.trials = trials
         wire = [None] + [w if c is not None else None for c, _, w in trials]  # each kind's uncoded wire
         codes_every = [True] + [c is None for c, _, _ in trials]
         preferred = [k for k, (c, _, w) in enumerate(trials, 1) if w in self.prefer and c is not None and not c]
         self.trial = Trial(sorted(range(1 + len(trials)), key=lambda k: wire[k] == "fp32"),
-                           [k for k, every in enumerate(codes_every) if every == codes_all],
-                           preferred)
+                           [k for k, every in enumerate(codes_every) if every == codes_all], preferred)
 
 
 def _wire_bits(wires: tuple[str, ...]) -> int:

@@ -545,9 +545,9 @@ class _Native:
 
     @staticmethod
     def _backend(owner: TernGradState):
-        """The buckets' codec backend where this path can average them (the hook's own group, every bucket a
-        contiguous fp32 buffer on the CPU, a codec with tg_scale), else None."""
-        if owner.process_group is not None or not owner._plain:
+        """The buckets' codec backend where this path can average them (the hook's own group, no hierarchy, every
+        bucket a contiguous fp32 buffer on the CPU, a codec with tg_scale), else None."""
+        if owner.process_group is not None or owner.hierarchy is not None or not owner._plain:
             return None
         backend = owner.pipeline.coder.codec.impl(torch.empty(0))  # the buckets' (on the CPU)
         return backend if hasattr(backend, "scale_kernel") else None
