@@ -12,10 +12,10 @@
 // markers (+Inf, zeros) survive the rounding.
 //
 // Everything else stays in Python, in one home: every bucket goes to terngrad_hook until Python turns this path on
-// (Control.enable, between steps: auto's plan for the next step is fp32 for every bucket, on the CPU, in its trial
-// or decided); a bucket's layout, a rank's markers, a non-finite average's error and the step's end (its byte
-// counts and pipeline.next_step) are calls into Python (_Native in ddp.py), the first on a new layout, the next
-// two only where a value is out of range, the last once a step.
+// (Control.enable, between steps: auto's plan for the next step is fp32 or bf16 for every bucket, on the CPU, in
+// its trial or decided); a bucket's layout, a rank's markers, a non-finite average's error and the step's end (its
+// byte counts and pipeline.next_step) are calls into Python (_Native in ddp.py), the first on a new layout, the
+// next two only where a value is out of range, the last once a step.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>

@@ -59,8 +59,8 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   1.25-2.6 times its fastest kind's step: NCF's trial on a fast link codes 4 steps, not 7). The faster of
   two steps, so that a pause between steps, which lands on one, prunes nothing. Where the default is among the
   front end's preferred wires, a kind not ahead of the faster of them by MARGIN on that step is tried no more
-  either (AHEAD). Where one
-  kind is left, it is kept there and then; where none is pruned, the pruning step is one coded step more.
+  either (AHEAD). Where one kind is left, it is kept there and then; where none is pruned, the pruning step is
+  one coded step more.
 - The plan is tried with its uncoded groups in fp32 and, as a second kind, in 16 bits (half the bytes for a
   pass or two over each tensor: transports.uncoded), fp16 (WIRES, which every front end's collectives sum, each
   tensor scaled so that nothing overflows or underflows unseen). Which pays depends on what a byte costs
