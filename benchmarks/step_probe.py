@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true", help="build every method first, then take one step "
                     "of each in turn: the machine's drift over a job then falls on all of them alike")
     ap.add_argument("--early", type=int, default=0, help="also print each method's first N steps, one by one")
-    ap.add_argument("--uncoded", choices=("fp32", "fp16", "bf16"), help="auto: every group uncoded in this wire, untried")
+    ap.add_argument("--uncoded", choices=("fp32", "fp16", "bf16"),
+                    help="auto: every group uncoded in this wire, untried (bf16: the DDP hook's)")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")
     args = ap.parse_args(argv)

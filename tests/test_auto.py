@@ -75,7 +75,8 @@ def trial(kinds: list[float], before: float = 0.010, drift: float = 0.0, preferr
     first, ks = rounds(turns, 2, 0)
     faster = {k: min(t for t, kk in zip(first, ks) if kk == k) for k in turns}
     ahead = auto.AHEAD * min(faster[k] for k in preferred) if preferred else float("inf")
-    left = [k for k in turns if faster[k] <= auto.PRUNE * min(faster.values()) and (k in preferred or faster[k] < ahead)]
+    left = [k for k in turns
+            if faster[k] <= auto.PRUNE * min(faster.values()) and (k in preferred or faster[k] < ahead)]
     rest = [kinds[0]] + rounds(left, 2 * (TRIAL_PAIRS - 1), len(first) + 1)[0] if len(left) > 1 else []
     return [before] * PLAN_STEP + first + rest + [kinds[0]] * 3
 
@@ -246,7 +247,8 @@ def test_between_the_front_ends_preferred_wires_the_faster_is_kept_and_coding_mu
     _steps(p, trial([coded, 0.0100, bf16], preferred=(1, 2)))
     assert p.summary()["tried"] == [{"coding": [], "transport": None, "uncoded": w} for w in ("fp32", "bf16")]
     assert p.summary()["left_after_first_pair"] == left and p.decided and p.kept == kept
-    assert p.wire == ("fp32" if kept is None else ("fp32", "bf16")[kept]) and p.uncoded("bucket.0") == (kept is not None)
+    assert p.wire == ("fp32" if kept is None else ("fp32", "bf16")[kept])
+    assert p.uncoded("bucket.0") == (kept is not None)
     assert p.trial.verdict_step == (19 if left == [2, 1] else 23)
 
 
@@ -265,9 +267,9 @@ def test_against_the_models_side_margin_alone_applies_however_noisy_the_trial():
 @pytest.mark.parametrize("prefer,plans", [((), 2), (("fp32",), 1), (("fp32", "bf16"), 2)])
 def test_the_carried_values_are_the_wire_formats(prefer, plans):
     """docs/wire-format.md, "9. Auto: uncoded groups, and the measurement the scalers carry": step 3 carries four
-    values, the wires offered both ways (a bit each: fp32 1, fp16 2, bf16 4); with k kinds (coding and each plan), the pruning step (8 or 10) k values,
-    each kind's faster step of the first pair; the verdict (17 or 23, none pruned) k + 1, each kind's step and
-    the noise."""
+    values, the wires offered both ways (a bit each: fp32 1, fp16 2, bf16 4); with k kinds (coding and each plan),
+    the pruning step (8 or 10) k values, each kind's faster step of the first pair; the verdict (17 or 23, none
+    pruned) k + 1, each kind's step and the noise."""
     p, carried = AutoPlan(), {}
     p.prefer = prefer
     _steps(p, trial([0.009, 0.0100, 0.0101][:1 + plans], preferred=tuple(range(1, 1 + len(prefer)))), carried=carried)

@@ -89,8 +89,8 @@ class Uncoded(Transport):
 
     def encode(self, coder, items):
         """The group's gradients (their residuals merged in: Coder.plain), to average. fp32: one tensor, in place
-        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. bf16: a copy. fp16: a copy, each tensor at
-        its scale, and the tensors whose magnitude is not known (or zero) in a second copy, in fp32. A
+        where they lie back to back in one fp32 buffer (a DDP bucket), else a copy. bf16: a copy. fp16: a copy,
+        each tensor at its scale, and the tensors whose magnitude is not known (or zero) in a second copy, in fp32. A
         non-finite average asks which of them were non-finite here, which a copy can tell afterwards and in
         place must be known before."""
         if self.dtype is torch.float16:
