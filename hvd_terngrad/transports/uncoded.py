@@ -106,7 +106,7 @@ class Uncoded(Transport):
         for it in items:
             coder.stats.add_float(it.numel * self.element_bytes, coder.size)
         if self.dtype is torch.bfloat16:
-            return [(_copy(items, range(len(items)), self.dtype), list(range(len(items))))], items, coder, None, None
+            return [(_bf16_copy(items), list(range(len(items))))], items, coder, None, None
         values = _span(items)
         flags = None
         if values is None:
@@ -233,18 +233,16 @@ WIRES = (FP32.name, FP16.name)  # the wires every front end's collectives averag
 
 def _fp32_copy(items, indices) -> torch.Tensor:
     """The gradients of items[indices], back to back in one fp32 tensor (a copy)."""
-    return _copy(items, indices, torch.float32)
+    return torch.cat([items[i].flat.reshape(-1).float() for i in indices]) if indices else torch.empty(0)
 
 
-def _copy(items, indices, dtype: torch.dtype) -> torch.Tensor:
-    """The gradients of items[indices], back to back in one tensor of `dtype` (a copy, rounded where narrower)."""
-    indices = list(indices)
-    out = torch.empty(sum(items[i].numel for i in indices), dtype=dtype, device=items[indices[0]].flat.device
-                      if indices else "cpu")
+def _bf16_copy(items) -> torch.Tensor:
+    """The items' gradients, back to back in one bf16 tensor: each rounded as it is copied (one pass)."""
+    out = torch.empty(sum(it.numel for it in items), dtype=torch.bfloat16, device=items[0].flat.device)
     off = 0
-    for i in indices:
-        out[off: off + items[i].numel].copy_(items[i].flat.reshape(-1))
-        off += items[i].numel
+    for it in items:
+        out[off: off + it.numel].copy_(it.flat.reshape(-1))
+        off += it.numel
     return out
 
 
