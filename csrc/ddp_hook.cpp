@@ -15,7 +15,8 @@
 // (Control.enable, between steps: auto's plan for the next step is fp32 or bf16 for every bucket, on the CPU, in
 // its trial or decided); a bucket's layout, a rank's markers, a non-finite average's error and the step's end (its
 // byte counts and pipeline.next_step) are calls into Python (_Native in ddp.py), the first on a new layout, the
-// next two only where a value is out of range, the last once a step.
+// next two only where a value is out of range, the last once a step; and on the step after a coded one, with
+// error feedback, each bucket's residuals merged (once a bucket).
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
@@ -79,6 +80,7 @@ struct Control {
   double limit = 0.0;                           // the largest |value| a rank sends (ddp._sendable)
   ScaleFn scale = nullptr;                      // the codec's tg_scale
   bool bf16 = false;                            // the average travels in bf16 (else in fp32, in place)
+  bool merge = false;  // each bucket first takes a coded step's error-feedback residuals, in Python (the step after)
   int64_t step = 0;                             // the pipeline's step, which Python's step_done advances
   py::object native;                            // a weakref to ddp._Native, the calls into Python (it holds this)
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts;  // bucket index -> its layout
@@ -122,6 +124,7 @@ class Hook final : public c10d::CommHookInterface {
                 "the C++ path of the hook averages (the buckets were so when it was turned on)");
     const size_t index = bucket.getIndex();
     std::shared_ptr<const Layout> layout = this->layout(bucket, buf);
+    if (c.merge) call("merge", index);  // before the scaling, as _OwnAverages.start merges them
     double top = 0.0;
     TORCH_CHECK(c.scale(buf.data_ptr<float>(), buf.numel(), c.factor, &top, layout->nthreads) == 0,
                 "hvd_terngrad: tg_scale failed on DDP bucket ", index);
@@ -292,7 +295,7 @@ PYBIND11_MODULE(_ddp_hook, m) {
   py::class_<Control, std::shared_ptr<Control>>(m, "Control")
       .def("enable",
            [](Control& c, py::object group, int size, uintptr_t scale, double limit, int64_t step, bool at_end,
-              bool bf16) {
+              bool bf16, bool merge) {
              c.group = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
              c.size = size;
              c.factor = static_cast<float>(1.0 / size);  // as Python's ctypes.c_float(1.0 / size)
@@ -301,10 +304,12 @@ PYBIND11_MODULE(_ddp_hook, m) {
              c.step = step;
              c.at_end = at_end;
              c.bf16 = bf16;
+             c.merge = merge;
              c.on.store(true);
            },
            "From the next bucket on, every bucket is averaged here (call between steps); at_end: each step's end "
-           "in Python once it has completed, not at its last launch; bf16: the averages travel in bf16.")
+           "in Python once it has completed, not at its last launch; bf16: the averages travel in bf16; merge: each "
+           "bucket first takes its residuals (native.merge).")
       .def("disable", [](Control& c) { c.on.store(false); }, "From the next bucket on, terngrad_hook averages.")
       .def_property_readonly("on", [](const Control& c) { return c.on.load(); });
   m.def("register", &register_hook,

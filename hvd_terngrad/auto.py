@@ -44,7 +44,8 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp._Native.steer);
   timed on the Python hook, the fp32 plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the
   coded kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the
-  step after a coded one merges the coded step's residuals, in Python (AutoPlan._try). A coded step then
+  step after a coded one first merges the coded step's residuals, a pass coding leaves to the next kind
+  (AutoPlan._try). A coded step then
   carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
   slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN;
   over the front end's preferred wires, also by CONFIDENCE standard errors at the noisiest rank's spread). The
@@ -446,10 +447,10 @@ class AutoPlan:
     def _try(self, trials: list[tuple[set[str] | None, str | None, str]], codes_all: bool) -> None:
         """The trial of coding against these plans. A round runs the coded kind first and the plan that sends its
         uncoded groups in fp32 last: an fp32 step then follows a 16-bit or fp32 one, never a coded one, whose
-        residuals (error feedback) it would merge in Python, off the C++ path it runs on once kept
-        (ddp._Native.steer). A bf16 plan's step follows a coded one in the first round of a pair, there in Python
-        with error feedback (2 of its 6 steps, which its median of six weighs less than a mean would). The model's
-        side: the kinds that code every group where it does, else its plan's.
+        residuals (error feedback) it would merge first, a pass over each coded tensor and, on the DDP hook's C++
+        path, a call into Python a bucket (ddp._Native.merge). A 16-bit plan's step follows a coded one in the
+        first round of a pair and pays that (2 of its 6 steps, which its median of six weighs less than a mean
+        would). The model's side: the kinds that code every group where it does, else its plan's.
         The preferred kinds: the plans that send every group uncoded in a wire the front end prefers."""
         self.trials = trials
         wire = [None] + [w if c is not None else None for c, _, w in trials]  # each kind's uncoded wire

@@ -503,13 +503,14 @@ class _Native:
     value is out of range, and the step's end once a step. It averages as _OwnAverages.start does, whose
     docstring says why each piece is there. It holds its state weakly, as start()'s callbacks do."""
 
-    __slots__ = ("owner", "control", "at_end", "wire", "named", "mine", "held", "__weakref__")
+    __slots__ = ("owner", "control", "at_end", "wire", "merging", "named", "mine", "held", "__weakref__")
 
     def __init__(self, owner: TernGradState):
         self.owner = weakref.ref(owner)
         self.control = None  # hvd_terngrad._ddp_hook.Control: on, or off (every bucket to terngrad_hook)
         self.at_end = False  # whether it ends each step once completed (auto's trial), as last enabled
         self.wire = "fp32"  # what the averages travel in (NATIVE_WIRES), as last enabled
+        self.merging = False  # whether each bucket first takes its residuals (merge), as last enabled
         self.named: dict = {}  # bucket index -> (its gradients as TernGradState._named, its bytes)
         self.mine: dict = {}  # bucket index -> the tensors this rank marked there this step (finite.mark)
         self.held: list = []  # this step's non-finite averages, (bucket index, error), raised by the last bucket
@@ -518,14 +519,14 @@ class _Native:
         """At a step's end (TernGradState._step_ends): whether the C++ path averages the next step. It does where
         transport="auto"'s plan for it sends every bucket in a wire of NATIVE_WIRES, in its trial (whose steps it
         then ends once they have completed, as the other kinds' steps end, so that the trial times each kind
-        alike) or decided, where no residual of a coded step is left to merge (with error feedback, the step after
-        a coded one merges them in Python), and where every bucket is a contiguous fp32 buffer on the CPU, whose
-        codec has tg_scale. Otherwise terngrad_hook averages the next step. Where this path can run them, auto's
-        trial tries the plan in these wires alone and keeps another kind only where it is clearly faster
-        (AutoPlan.prefer): on a fast link, the fp16 plan in Python costs a step what any Python hook does, and
-        the trial's six steps cannot resolve that."""
-        if self.control.on and not self.at_end:  # the plan kept: nothing here changes (load_state_dict turns it off)
-            return
+        alike) or decided, where every bucket is a contiguous fp32 buffer on the CPU, whose codec has tg_scale; with
+        error feedback, the step after a coded one first merges each bucket's residuals (merge). Otherwise
+        terngrad_hook averages the next step. Where this path can run them, auto's trial tries the plan in these
+        wires alone and keeps another kind only where it is clearly faster (AutoPlan.prefer): on a fast link, the
+        fp16 plan in Python costs a step what any Python hook does, and the trial's six steps cannot resolve
+        that."""
+        if self.control.on and not self.at_end and not self.merging:
+            return  # the plan kept, no residual left to merge: nothing here changes (load_state_dict turns it off)
         owner = self.owner()
         pipe = owner.pipeline
         wire, trying = owner._all_uncoded(), pipe.auto is not None and not pipe.auto.decided
@@ -533,15 +534,15 @@ class _Native:
         backend = self._backend(owner) if native or trying else None
         if trying:  # where this path runs the plan, its wires are auto's default
             pipe.auto.offer(NATIVE_WIRES if backend is not None else ())
-        if backend is None or not native or pipe.coder.feedback.worker:
+        if backend is None or not native:
             self.control.disable()
             return
-        at_end = not pipe.auto.decided
-        if not self.control.on or self.at_end != at_end or self.wire != wire:
+        at_end, merging = not pipe.auto.decided, bool(pipe.coder.feedback.worker)
+        if not self.control.on or (self.at_end, self.wire, self.merging) != (at_end, wire, merging):
             size = owner.world.size
             self.control.enable(owner.world.group, size, backend.scale_kernel(), _sendable(size), pipe.step, at_end,
-                                wire == "bf16")
-            self.at_end, self.wire = at_end, wire
+                                wire == "bf16", merging)
+            self.at_end, self.wire, self.merging = at_end, wire, merging
 
     @staticmethod
     def _backend(owner: TernGradState):
@@ -561,6 +562,13 @@ class _Native:
         self.named[bucket.index()] = (owner._named(bucket), buf.numel() * buf.element_size())
         _forget_later_buckets(self.named, bucket)
         return None if where is None else where.tolist(), owner.pipeline.coder.codec.impl(buf).threads_for(buf.numel())
+
+    def merge(self, index: int) -> None:
+        """Before the scaling, on the step after a coded one (steer): a coded step's error-feedback residuals added
+        into bucket `index`'s gradients, and let go, as _OwnAverages.start adds them (Coder.merge_residual)."""
+        coder = self.owner().pipeline.coder
+        for name, grad in self.named[index][0]:
+            coder.merge_residual(name, grad)
 
     def mark(self, index: int) -> None:
         """Before the send: this rank's tensors of bucket `index` beyond _sendable, or not finite, marked."""

@@ -519,7 +519,8 @@ def _beside_ddps_own(port, own_hook=None, **options):
     """The hook (TernGradState.register) with transport="auto" on a link so fast that its plan sends every bucket
     uncoded (unless `options` name another link_gbps), and TernGrad's `options`, beside DDP's own C++ allreduce (or
     `own_hook`, a DDP hook of the default group): (its state, train) where train(step) trains both models a step from
-    the hooked one's parameters, on the same batches, and says whether every gradient is DDP's bits."""
+    the hooked one's parameters, on the same batches, and says whether every gradient is DDP's bits
+    (train.grads: the step's gradients by name, (the hook's, DDP's))."""
     from hvd_terngrad.ddp import TernGradState
     from tests.test_ddp import _init_gloo
 
@@ -539,6 +540,8 @@ def _beside_ddps_own(port, own_hook=None, **options):
             net.zero_grad()
             G.loss(net, rank, step).backward()
         same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        train.grads = {name: (p.grad.clone(), q.grad)
+                       for (name, p), q in zip(model.named_parameters(), ref.parameters())}
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(0.1 * p.grad)
@@ -597,9 +600,10 @@ def test_the_hooks_own_uncoded_average_is_ddps_own_to_the_bit(wire, np, port):
 
 def body_trial_with_cpp(port, error_feedback, prune, link_gbps):
     """The plan's trial (TRIAL_PAIRS pairs of rounds: coded, bf16, fp32, then fp32, bf16, coded), with auto.PRUNE
-    `prune`: per step, the kind auto had in force, whether the C++ path
-    averaged it, and whether every gradient is DDP's bits; then the plans tried, each kind's count of timed steps on
-    this rank, the plan kept and the verdict's step."""
+    `prune`: per step, the kind auto had in force, whether the C++ path averaged it, whether every gradient is DDP's
+    bits, and where it merged a coded step's residuals, how far its gradients were from DDP's plus the ranks' average
+    residual, and how large that residual was (each relative to the largest |value| of the sum); then the plans
+    tried, each kind's count of timed steps on this rank, the plan kept and the verdict's step."""
     from tests.test_ddp import _close_gloo
 
     auto.PRUNE, auto.AHEAD = prune, float("inf")  # AHEAD: no kind pruned for not being ahead of the C++ path
@@ -607,7 +611,18 @@ def body_trial_with_cpp(port, error_feedback, prune, link_gbps):
     out = []
     for step in range(auto.LAST_VERDICT_STEP + 3):
         native, plan = state.native, state.connect().auto
-        out.append((plan.trial.kind(step) if plan.trials else None, native, train(step)))
+        left = {name: r.clone() for name, r in state.pipeline.coder.feedback.worker.items()} if step else {}
+        same, merged = train(step), None
+        if left:  # this step merged them: its average is DDP's plus the ranks' average residual
+            far = big = 0.0
+            for name, r in sorted(left.items()):
+                torch.distributed.all_reduce(r)
+                hooked, own = train.grads[name]
+                expected = own + r.view_as(own) / torch.distributed.get_world_size()
+                top = float(expected.abs().max())
+                far, big = max(far, float((hooked - expected).abs().max()) / top), max(big, float(r.abs().max()) / top)
+            merged = (far, big)
+        out.append((plan.trial.kind(step) if plan.trials else None, native, same, merged))
     plan = state.pipeline.auto
     summary = (plan.trials, [len(t) for t in plan.trial.times], plan.kept, plan.trial.verdict_step, plan.prefer)
     del state, train
@@ -625,11 +640,12 @@ def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error
     ended once it has completed, as the Python kinds' steps are), the coded steps in Python. Timed in Python,
     the fp32 plan carried the Python hook's 5-8% against the C++ path it would run on, and lost to fp16 or to
     coding by 0.4-2.8% on lenet on the fast profile (docs/time-to-accuracy.md). With error feedback, a step after a
-    coded one merges its residuals, in Python: no fp32 step of the trial follows a coded one, the bf16 plan's
-    first step of a pair does (2 of its 6), and once decided, the first step after the coded verdict step merges
-    them. Every kind to the end (nothing pruned), or (PRUNE 1) only the fastest left after the first pair, kept
-    on the pruning step. On a link slow enough that the model codes the buckets, and where it codes nothing, the
-    plan tried is every bucket uncoded in the wires of the C++ path."""
+    coded one first merges its residuals, there too (a call into Python a bucket): no fp32 step of the trial
+    follows a coded one, the bf16 plan's first step of a pair does (2 of its 6), and once decided, the first step
+    after the coded verdict step merges them: each such step's average is DDP's plus the ranks' average residual.
+    Every kind to the end (nothing pruned), or (PRUNE 1) only the fastest left after the first pair, kept on the
+    pruning step. On a link slow enough that the model codes the buckets, and where it codes nothing, the plan
+    tried is every bucket uncoded in the wires of the C++ path."""
     _needs_cpp_hook()
     res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120,
                     args=(port, error_feedback, prune, link_gbps))
@@ -640,13 +656,16 @@ def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error
     assert [w for _, _, w in trials] == ["fp32", "bf16"] and counts == [2 * pairs] * 3, (trials, counts)
     assert verdict == PLAN_STEP + 2 * 3 * pairs + (pairs > 1), verdict  # the pruning step among them
     fp32, bf16 = 1, 2  # their kinds: trials[0], trials[1]
-    for step, (kind, native, same) in enumerate(out):
+    for step, (kind, native, same, merged) in enumerate(out):
         after_coded = error_feedback and step > PLAN_STEP and out[step - 1][0] in (0, None)
+        if after_coded and (kind in (fp32, bf16) or step == verdict + 1):  # the residuals merged, on either path
+            far, big = merged
+            assert far < 2 ** -6 < big, (step, kind, native, merged)  # within bf16's rounding of DDP's + theirs
         if PLAN_STEP <= step < verdict:  # the trial: the plans in C++ (fp32: DDP's bits); coding in Python
-            assert native == (kind in (fp32, bf16) and not after_coded) and same == (kind == fp32), (step, kind)
+            assert native == (kind in (fp32, bf16)) and same == (kind == fp32), (step, kind)
             assert not (after_coded and kind == fp32), step
-        elif step == verdict + 1 and error_feedback:  # the verdict step's residuals merged, in Python
-            assert not native and not same, (step, kept)
+        elif step == verdict + 1 and error_feedback:  # the verdict step's residuals merged, on the kept plan's path
+            assert native == (kept is not None) and not same, (step, kept)
         elif step > verdict:  # decided: the C++ path where a plan was kept
             assert native == (kept is not None) and same == (kept == fp32 - 1), (step, kept, native, same)
         elif step < PLAN_STEP:  # measured: fp32 through the pipeline, in Python (over two ranks DDP's bits)
@@ -889,7 +908,8 @@ def body_cpp_failed_step(port):
         if step == bad:  # the C++ path's allreduces go to the failing group from here on
             assert state.native
             scale = state.pipeline.coder.codec.impl(model.body[4].weight.detach()).scale_kernel()
-            state._native.control.enable(group, 1, scale, ddp_mod._sendable(1), state.pipeline.step, False, False)
+            state._native.control.enable(group, 1, scale, ddp_mod._sendable(1), state.pipeline.step, False, False,
+                                         False)
             group.fail_at = len(state._native.named)  # the step's last bucket
         try:
             ddp.zero_grad()
