@@ -534,19 +534,22 @@ def _beside_ddps_own(port, own_hook=None, **options):
     state = TernGradState(model.named_parameters(), **{**G.COMMON, "link_gbps": 1000.0, **options}, transport="auto")
     state.register(hooked)
 
+    grads = {}  # set outside train: train naming itself kept its DDP model and the hook's state past gc.collect()
+
     def train(step: int) -> bool:
         ref.load_state_dict(model.state_dict())
         for net in (hooked, own):
             net.zero_grad()
             G.loss(net, rank, step).backward()
         same = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
-        train.grads = {name: (p.grad.clone(), q.grad)
-                       for (name, p), q in zip(model.named_parameters(), ref.parameters())}
+        grads.update((name, (p.grad.clone(), q.grad.clone()))
+                     for (name, p), q in zip(model.named_parameters(), ref.parameters()))
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(0.1 * p.grad)
         return same
 
+    train.grads = grads
     return state, train
 
 
