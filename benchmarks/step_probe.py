@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from benchmarks.cluster import init_gloo
 
 SUFFIXES = ("+unchecked", "+naps", "+spins")
-KINDS = ("+coded", "+fp32", "+fp16", "+bf16")  # auto's kind forced (any front end's transport="auto"; bf16: DDP's)
+WIRES = ("fp32", "fp16", "bf16")  # transports.uncoded.UNCODED's names, kept here so that this module needs no torch
+KINDS = ("+coded", *("+" + w for w in WIRES))  # auto's kind forced (any front end's transport="auto"; bf16: DDP's)
 EXTRA = ("float", "ddp:python", "ddp:fp16c")  # the methods this probe adds to hvd_terngrad.methods
 
 
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true", help="build every method first, then take one step "
                     "of each in turn: the machine's drift over a job then falls on all of them alike")
     ap.add_argument("--early", type=int, default=0, help="also print each method's first N steps, one by one")
-    ap.add_argument("--uncoded", choices=("fp32", "fp16", "bf16"),
+    ap.add_argument("--uncoded", choices=WIRES,
                     help="auto: every group uncoded in this wire, untried (bf16: the DDP hook's)")
     ap.add_argument("--spin-s", type=float, help="how long a bounded wait spins before it naps "
                     "(hvd_terngrad.collectives._SPIN_S), to measure that choice")

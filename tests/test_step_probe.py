@@ -27,6 +27,13 @@ def test_the_suffixes_go_on_hvd_terngrads_optimizer_only():
         step_probe.main(["--steps", "51"])
 
 
+def test_the_probes_wires_are_autos_uncoded_wires():
+    from hvd_terngrad.transports.uncoded import UNCODED
+
+    assert tuple(UNCODED) == step_probe.WIRES
+    assert ("+coded", *("+" + w for w in UNCODED)) == step_probe.KINDS
+
+
 def test_a_kind_suffix_forces_auto_s_kind_for_its_method_alone(monkeypatch):
     """+coded, +fp32 and +fp16 go on a method with transport auto, one at most; on the step of a method with
     one, the plan puts that kind in force at once, untried, and on another method's step auto plans its trial."""
