@@ -60,7 +60,7 @@ from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError, 
 from hvd_terngrad.finite import mark, marked_rank, marker_positions, nonfinite, nonfinite_average
 from hvd_terngrad.hierarchy import Hierarchy, discover_torch
 from hvd_terngrad.pipeline import Group, Pipeline
-from hvd_terngrad.transports.uncoded import UNCODED
+from hvd_terngrad.transports.uncoded import FP32, UNCODED
 
 # The wires of the plans the C++ path averages (_Native.steer), offered to transport="auto" as its faster path
 # (AutoPlan.offer): fp32 first, the plan in force where auto's plan is untried. bf16 halves the bytes for two passes
@@ -87,7 +87,7 @@ class TernGradState:
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`
     __slots__ = ("config", "process_group", "bucket_bytes", "names", "pipeline", "world", "hierarchy",
-                 "_group", "_kinds", "_exchanges", "_own", "_native", "_plain", "__weakref__")
+                 "_group", "_kinds", "_exchanges", "_own", "_native", "_plain", "_to_worker", "__weakref__")
 
     def __init__(self, named_parameters, config: Optional[TernGradConfig] = None, process_group=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options):
@@ -119,7 +119,16 @@ class TernGradState:
         self._exchanges = _Exchanges(self)  # the buckets the pipeline exchanges, on a worker thread
         self._own = _OwnAverages()  # the buckets it averages itself (_average_now)
         self._native: Optional[_Native] = None  # the hook's C++ path, where register() put it there
-        self._plain = True  # every bucket so far a contiguous fp32 buffer on the CPU (what the C++ path averages)
+        # every bucket a dense contiguous fp32 buffer on the CPU, as far as known: the parameters say so for their
+        # dtype and device, register() for sparse gradients, each bucket for itself (what the C++ path averages)
+        self._plain = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self.names if p.requires_grad)
+        self._to_worker = False  # this step has sent a bucket to the worker: its later buckets go there too
+
+    def __getstate__(self):
+        # it holds a process group, a worker thread and the model's parameters, none of which outlive the process
+        raise TypeError("hvd_terngrad: a TernGradState does not pickle (it holds its process group, its worker "
+                        "thread and the model's parameters); checkpoint state.state_dict() and, on resume, make a "
+                        "new state and call load_state_dict()")
 
     def connect(self) -> Pipeline:
         """This rank's pipeline (once): over the process group, or with hierarchical=True over the ranks of its
@@ -152,13 +161,24 @@ class TernGradState:
             self._native.control.disable()
 
     def register(self, module: torch.nn.parallel.DistributedDataParallel) -> None:
-        """module.register_comm_hook(self, terngrad_hook), with the hook's C++ path in front where the library
-        has it built for this torch (hvd_terngrad._ddp_hook, csrc/ddp_hook.cpp; else a warning, and the hook
-        runs in Python). In each step for which transport="auto"'s plan is fp32 for every bucket, on the CPU (in
-        its trial, or kept), the C++ path averages each bucket as _OwnAverages.start does, to the same bits and
-        with the same errors, and terngrad_hook is not called: on a fast link, a hook in Python costs the step
-        5-6% against DDP's own C++ allreduce (measured: docs/time-to-accuracy-log.md, "The DDP hook in C++"). Every
-        other step's buckets go to terngrad_hook (_Native.steer)."""
+        """module.register_comm_hook(self, terngrad_hook), with the hook's C++ path in front where it can ever
+        average a bucket (transport="auto", no hierarchy or process_group, more than one rank, every bucket dense
+        fp32 on the CPU) and the library has it built for this torch (hvd_terngrad._ddp_hook, csrc/ddp_hook.cpp;
+        else a warning, and the hook runs in Python). In each step for which transport="auto"'s plan is fp32 for
+        every bucket, on the CPU (in its trial, or kept), the C++ path averages each bucket as _OwnAverages.start
+        does, to the same bits and with the same errors, and terngrad_hook is not called: on a fast link, a hook in
+        Python costs the step 5-6% against DDP's own C++ allreduce (measured: docs/time-to-accuracy-log.md, "The
+        DDP hook in C++"). Every other step's buckets go to terngrad_hook (_Native.steer).
+
+        Raises TernGradError where DDP was built for compiled autograd's Python reducer
+        (torch._dynamo.config.optimize_ddp = "python_reducer"), which calls no hook DDP's reducer holds and
+        hands register_comm_hook's hooks one gradient at a time, not a bucket."""
+        if getattr(module, "_use_python_reducer", False):
+            raise TernGradError(_PYTHON_REDUCER)
+        self._plain = self._plain and not _sparse_gradients(module.module)
+        if not self._native_can_run():
+            module.register_comm_hook(self, terngrad_hook)
+            return
         native = _native_module()
         if native is None:
             module.register_comm_hook(self, terngrad_hook)
@@ -167,6 +187,13 @@ class TernGradState:
         module.logger._set_comm_hook_name("hvd_terngrad.ddp.terngrad_hook (C++ path)")
         self._native = bridge = _Native(self)  # held here; the hook holds it weakly, as it holds this state
         bridge.control = native.register(module.reducer, weakref.ref(bridge), self, terngrad_hook)
+
+    def _native_can_run(self) -> bool:
+        """Whether the C++ path could ever average a bucket of this state (register; _Native.steer decides each
+        step): only transport="auto"'s uncoded plans run there, over the hook's own group of several ranks."""
+        size = dist.get_world_size(self.process_group)
+        return (self.config.transport == "auto" and self.process_group is None and not self.config.hierarchical
+                and self._plain and size > 1)
 
     @property
     def native(self) -> bool:
@@ -216,9 +243,16 @@ class TernGradState:
         done = auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
         return auto.wire if done else None
 
-    def _averages_now(self, bucket: dist.GradBucket, wire: Optional[str]) -> bool:
-        """Whether the hook averages this bucket itself (_average_now), wire being _all_uncoded()'s."""
-        return wire == "fp32" and self.process_group is None and bucket.buffer().dtype == torch.float32
+    def _averages_now(self, buf: torch.Tensor, wire: Optional[str]) -> bool:
+        """Whether the hook averages this bucket (buf its buffer) itself on the training thread (_average_now),
+        wire being _all_uncoded()'s: a dense fp32 bucket of a step none of whose earlier buckets went to the
+        worker (_to_worker). So a step's collectives on the hook's group are issued in launch order: its first
+        buckets' here, then the worker's. Were the worker still exchanging an earlier bucket while the training
+        thread started this one's allreduce, the ranks could issue the two in different orders, and gloo pairs
+        collectives by that order (a model with fp64 and fp32 layers aborted: "Received data size doesn't match
+        expected size")."""
+        return (wire == "fp32" and self.process_group is None and not self._to_worker
+                and buf.layout == torch.strided and buf.dtype == torch.float32)
 
     def _average_now(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's fp32 average, made by the hook itself (_OwnAverages.start)."""
@@ -262,8 +296,14 @@ class _Exchanges:
     def take(self, job: "_Job", launched: bool) -> None:
         """A bucket for the pipeline: held, and the held group sent once it holds bucket_bytes or ends the step.
         launched: the plan in force sends every bucket uncoded in fp16 (TernGradState._all_uncoded), and the
-        bucket's one average is launched here, in DDP's launch order."""
-        if launched:
+        bucket's one average is launched here, in DDP's launch order. A sparse bucket goes to the worker on its
+        own, or held in its place among the launched ones, whose worker runs after the last launch."""
+        if job.sparse is not None and not launched:
+            self.send_held()
+            self.held.append(job)
+            self.send_held()
+            return
+        if launched and job.sparse is None:
             job.coded, job.floats = job.coded + job.floats, []
             try:
                 self.begin(job)
@@ -283,14 +323,16 @@ class _Exchanges:
 
     def finish(self, jobs: list) -> list:
         """The exchange of one group of DDP buckets, on the worker thread: each bucket's average."""
-        job = jobs[0] if len(jobs) == 1 or jobs[0].group is not None else _Job.merged(jobs)
         try:
-            if job.group is not None:  # launched by the hook (_all_uncoded): finished in launch order
+            if jobs[0].group is not None or jobs[0].sparse is not None:  # one by one, in launch order
                 for j in jobs:
-                    self.end(j)
-                    self.raise_nonfinite(j)
+                    if j.sparse is not None:
+                        self.sparse(j)
+                    else:  # launched by the hook (_all_uncoded)
+                        self.end(j)
+                        self.raise_nonfinite(j)
             else:
-                self.exchange(job)
+                self.exchange(jobs[0] if len(jobs) == 1 else _Job.merged(jobs))
         finally:  # every bucket of a step is coded with its number; the step ends with the bucket DDP marks
             # last, which its launch order ends with (DDP may plan its buckets again after the first step, so
             # their number is not fixed); a step that raised has ended too, as on the other front ends
@@ -300,15 +342,11 @@ class _Exchanges:
 
     def exchange(self, job: "_Job") -> None:
         """One group's exchange: its averages written into its gradients (the views of DDP's buffers)."""
-        pipe, comm, h, key = self.owner.pipeline, self.owner.world, self.owner.hierarchy, f"bucket.{job.index}"
+        pipe, h, key = self.owner.pipeline, self.owner.hierarchy, f"bucket.{job.index}"
         if h is None and job.floats and pipe.uncoded(key):  # one average, in place where it is fp32
             job.coded, job.floats = job.coded + job.floats, []
         node = h.average_in_node(job.coded) if h is not None and h.local is not None and job.coded else None
-        floats = None
-        if job.floats:  # one float average of the bucket's uncoded tensors
-            flat = torch.cat([v.reshape(-1) for _, v in job.floats])
-            pipe.stats.add_float(flat.numel() * flat.element_size(), comm.size)
-            floats = comm.average_async_(flat, name=f"terngrad.float.{job.index}")
+        floats = _FloatAverage(self.owner, job) if job.floats else None  # the tensors never coded
         if node is not None:
             h.wait_in_node(node)  # hierarchical: the node's float average, coded between nodes below
         if job.coded and (h is None or h.codes(job.index)):
@@ -321,10 +359,26 @@ class _Exchanges:
         elif job.group is not None:
             self.raise_nonfinite(job)
         if floats is not None:
-            avg, off = comm.wait(floats, f"the float average of DDP bucket {job.index}"), 0
-            for _, v in job.floats:
-                v.copy_(avg[off: off + v.numel()].view(v.shape))
-                off += v.numel()
+            floats.finish()
+
+    def sparse(self, job: "_Job") -> None:
+        """A bucket of sparse gradients averaged as DDP's allreduce_hook averages it, to the bit: divided by the
+        world size, then summed (gloo gathers every rank's indices and values and sums them, into the bucket's
+        tensor). A non-finite average is every rank's alike; only then does a Max allreduce ask which rank's
+        gradient it was, and every rank raises the same error (or, on_nonfinite="propagate", hands on the NaN)."""
+        owner = self.owner
+        comm, pipe, buf = owner.world, owner.pipeline, job.buffer
+        mine = bool(nonfinite([buf._values()]))
+        buf.div_(comm.size)
+        pipe.stats.add_float(buf._values().numel() * buf.element_size() + buf._indices().numel() * 8, comm.size)
+        what = f"the sparse average of DDP bucket {job.index} ({job.sparse!r})"
+        job.buffer = avg = comm.wait(comm.sum_async_(buf, name=f"terngrad.sparse.{job.index}"), what)
+        if not nonfinite([avg._values()]) or owner.config.on_nonfinite == "propagate":
+            return
+        flag = torch.tensor([float(comm.rank + 1) if mine else 0.0])
+        culprit = int(comm.wait(comm.max_allreduce_async(flag, name=f"terngrad.sparse.nonfinite.{job.index}"),
+                                f"the non-finite ranks of {what}")) - 1
+        raise nonfinite_average(job.sparse, culprit, pipe.step, comm.rank)
 
     def finish_in_node(self, job: "_Job") -> None:
         """hierarchical: the coder's averages broadcast to its node (a rank that found a non-finite average fills
@@ -338,6 +392,41 @@ class _Exchanges:
                 f"average or the codes between nodes, seen on rank {self.owner.world.rank}; affected: "
                 f"{', '.join(map(repr, bad[:5]))}). Every rank raises this in the same step; on_nonfinite="
                 f"'propagate' hands AMP's GradScaler a NaN average instead.")
+
+
+class _FloatAverage:
+    """A group's tensors that are never coded (min_numel, exclude), averaged in one allreduce over DDP's ranks on
+    the worker: the uncoded transport's fp32 average (transports.uncoded), whose non-finite protocol the coded
+    tensors' scalers share, so that a NaN there names tensor and rank on every rank in the same step."""
+
+    __slots__ = ("owner", "job", "items", "handle")
+
+    def __init__(self, owner: TernGradState, job: "_Job"):
+        self.owner, self.job = owner, job
+        coder = owner.pipeline.coder
+        self.items = [coder.plain(name, v) for name, v in job.floats]
+        self.handle = FP32.start(owner.world, FP32.encode(coder, self.items), f"float.{job.index}")
+
+    def finish(self) -> None:
+        """The averages written into the gradients; a non-finite one raised unless on_nonfinite="propagate"
+        (then NaN, as AMP's GradScaler expects)."""
+        comm, coder, floats = self.owner.world, self.owner.pipeline.coder, self.job.floats
+        FP32.finish(comm, self.handle, f"the float average of DDP bucket {self.job.index}")
+        direct = [v.view(-1) if v.dtype == torch.float32 and v.is_contiguous() else None for _, v in floats]
+        for (_, v), avg in zip(floats, FP32.decode(coder, self.items, self.handle, outs=direct)):
+            if avg.data_ptr() != v.data_ptr():
+                v.copy_(avg.view(v.shape))
+        if self.owner.config.on_nonfinite == "propagate":
+            for (_, v), it in zip(floats, self.items):
+                if it.nonfinite_rank >= 0:
+                    v.fill_(float("nan"))
+        else:
+            coder.raise_nonfinite(self.items)
+
+
+def _sparse_gradients(module: torch.nn.Module) -> bool:
+    """Whether any of the module's layers makes sparse gradients (DDP buckets them alone, as sparse tensors)."""
+    return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in module.modules())
 
 
 def _own_group(process_group, timeout_s: float):
@@ -682,10 +771,12 @@ def _divide(buf: torch.Tensor, size: int, scale) -> float:
 class _Job:
     """A DDP bucket's exchange, or (merged) that of a group of consecutive buckets."""
 
-    __slots__ = ("index", "last", "buffer", "coded", "floats", "group", "ready", "future")
+    __slots__ = ("index", "last", "buffer", "coded", "floats", "sparse", "group", "ready", "future")
 
-    def __init__(self, bucket, coded, floats):
+    def __init__(self, bucket, coded, floats, sparse: Optional[str] = None):
         self.index, self.last, self.buffer = bucket.index(), bucket.is_last(), bucket.buffer()
+        # a bucket of sparse gradients, which DDP gives one parameter: its name (_Exchanges.sparse); else None
+        self.sparse = sparse
         self.ready = time.perf_counter()  # when backward handed the bucket over (transport="auto" measures it)
         self.coded, self.floats = coded, floats
         self.group: Optional[Group] = None  # in the pipeline, once the worker started it
@@ -699,29 +790,53 @@ class _Job:
         job.index, job.last, job.buffer, job.ready = jobs[0].index, jobs[-1].last, None, jobs[-1].ready
         job.coded = [x for j in jobs for x in j.coded]
         job.floats = [x for j in jobs for x in j.floats]
-        job.group = job.future = None
+        job.group = job.future = job.sparse = None
         return job
 
 
 def terngrad_hook(state: TernGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's average with TernGrad (Wen et al., NeurIPS 2017), 2-bit stochastic
     ternary codes and a shared scaler per tensor. The state's worker thread exchanges the bucket (with the
-    buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future."""
+    buckets before it that were under bucket_bytes) while backward goes on, and completes the returned future.
+    A bucket of sparse gradients (nn.Embedding(sparse=True)) goes uncoded, averaged as DDP's allreduce_hook
+    averages it (_Exchanges.sparse). With one rank the gradients stay as they are, as on Horovod."""
+    if not isinstance(bucket, dist.GradBucket):  # compiled autograd's Python reducer: (grad, param)
+        raise TernGradError(_PYTHON_REDUCER)
     state.connect()
-    wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
     buf = bucket.buffer()
-    state._plain = state._plain and buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
+    if state.world.size == 1:
+        done = torch.futures.Future()
+        done.set_result(buf)
+        return done
+    wire = state._all_uncoded()  # the plan in force: every bucket uncoded in this wire, or None
+    sparse = buf.layout != torch.strided
+    state._plain = state._plain and not sparse and buf.dtype == torch.float32 and buf.device.type == "cpu" \
+        and buf.is_contiguous()
     exchanges = state._exchanges
-    if state._averages_now(bucket, wire):
-        exchanges.send_held()  # held ones (another dtype) go now: the step's later buckets may all come this way
+    try:
+        if state._averages_now(buf, wire):
+            if bucket.is_last():
+                exchanges.order.end_step()
+            return state._average_now(bucket)
+        state._to_worker = True  # the step's later buckets follow this one to the worker (_averages_now)
+        if sparse:
+            job = _Job(bucket, [], [], sparse=state._kind(bucket.parameters()[0])[0])
+        else:
+            job = _Job(bucket, *state._split(bucket))
+        exchanges.take(job, launched=wire == "fp16")
+    finally:
         if bucket.is_last():
-            exchanges.order.end_step()
-        return state._average_now(bucket)
-    job = _Job(bucket, *state._split(bucket))
-    exchanges.take(job, launched=wire == "fp16")
-    if job.last:  # the step's other buckets may have been averaged by the hook itself (another dtype)
+            state._to_worker = False
+    if job.last:  # the step's earlier buckets may have been averaged by the hook itself (_to_worker)
         return state._own.after(job.future, _value_or_raise)
     return job.future.then(_value_or_raise)
+
+
+_PYTHON_REDUCER = (
+    "hvd_terngrad: this DDP model runs compiled autograd's Python reducer (torch._dynamo.config.optimize_ddp = "
+    "'python_reducer'), which hands a communication hook one gradient at a time and ignores its result, so "
+    "TernGrad's hook cannot average it. Build the DDP model with optimize_ddp left at its default (or "
+    "'ddp_optimizer'); torch.compile of the model works with the hook there.")
 
 
 class _Serial:

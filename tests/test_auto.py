@@ -892,13 +892,14 @@ def _peer_gone(_):
 
 
 def body_cpp_failed_step(port):
-    """One rank, the hook's C++ path on: at step `bad` bucket 0's average is not finite and the step's last
-    allreduce fails. What each step's backward raised (None where it trained)."""
+    """Two ranks, the hook's C++ path on: at step `bad` it averages over a one-rank group of its own on each
+    rank, bucket 0's average is not finite and the step's last allreduce fails. What each step's backward
+    raised (None where it trained)."""
     import hvd_terngrad.ddp as ddp_mod
-    from tests.test_ddp import _close_gloo
+    from tests.test_ddp import _close_gloo, _init_gloo
 
     auto.TRIAL_PAIRS = 0
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    _init_gloo(port)
     torch.set_num_threads(1)
     model = G.Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
@@ -930,10 +931,11 @@ def test_a_failed_step_on_the_cpp_path_leaves_no_error_for_the_next():
     """A step whose last allreduce fails raises that failure; the non-finite average held the same step goes
     with it. It stayed held, and the next step, finite, raised it."""
     _needs_cpp_hook()
-    [out] = run_ranks("tests.test_auto:body_cpp_failed_step", np=1, timeout=120, args=(29783,))
     bad = PLAN_STEP + 2
-    assert out[:bad] == [None] * bad and out[bad + 1:] == [None, None], out
-    assert "CollectiveTimeoutError" in out[bad] and f"failed on rank 0 at step {bad}" in out[bad], out[bad]
+    for rank, out in enumerate(run_ranks("tests.test_auto:body_cpp_failed_step", np=2, timeout=120,
+                                         args=(29783,))):
+        assert out[:bad] == [None] * bad and out[bad + 1:] == [None, None], out
+        assert "CollectiveTimeoutError" in out[bad] and f"failed on rank {rank} at step {bad}" in out[bad], out[bad]
 
 
 def _needs_cpp_hook():

@@ -526,10 +526,13 @@ def test_without_its_cpp_path_register_warns_once_and_registers_the_python_hook(
     monkeypatch.setitem(sys.modules, "hvd_terngrad._ddp_hook", None)  # import fails
 
     class Module:  # what register asks of a DDP model on this path
+        module = torch.nn.Linear(2, 2)
+
         def register_comm_hook(self, state, hook):
             registered.append((state, hook))
 
-    registered, state = [], ddp.TernGradState(torch.nn.Linear(2, 2).named_parameters())
+    registered, state = [], ddp.TernGradState(Module.module.named_parameters(), transport="auto")
+    monkeypatch.setattr(ddp.TernGradState, "_native_can_run", lambda self: True)  # several ranks
     with pytest.warns(UserWarning, match=r"the DDP hook's C\+\+ path is not available"):
         state.register(Module())
     with warnings.catch_warnings():

@@ -8,7 +8,8 @@ a Max allreduce of which rank's tensor was non-finite, so that the error names t
 coded path's does.
 
 fp32 (FP32): a group whose gradients lie back to back in one fp32 buffer (a DDP bucket) is averaged in place,
-as DDP's own allreduce does; any other is copied into one tensor first. In place, a rank checks its buffer
+as DDP's own allreduce does; any other is copied into one tensor first (fp64 where one of its gradients is
+fp64: those are averaged at their own precision, as DDP averages them). In place, a rank checks its buffer
 before the average (one read); a copy can be checked after, in a bad step only.
 
 fp16 (FP16, half the bytes): each tensor is multiplied by a power of two before it is rounded to fp16 and divided
@@ -207,7 +208,7 @@ class Uncoded(Transport):
             part = h.parts[i]
             if part.dtype != torch.float16:
                 if out[i] is None:
-                    out[i] = part.float()  # bf16 read back; fp32 as it is
+                    out[i] = part if part.dtype == torch.float64 else part.float()  # bf16 read back; fp32 as is
                 elif out[i].data_ptr() != part.data_ptr():
                     out[i].copy_(part)
             if i in h.absmax:
@@ -232,8 +233,12 @@ WIRES = (FP32.name, FP16.name)  # the wires every front end's collectives averag
 
 
 def _fp32_copy(items, indices) -> torch.Tensor:
-    """The gradients of items[indices], back to back in one fp32 tensor (a copy)."""
-    return torch.cat([items[i].flat.reshape(-1).float() for i in indices]) if indices else torch.empty(0)
+    """The gradients of items[indices], back to back in one fp32 tensor (a copy); in fp64 where one of them is
+    fp64, which is averaged at its own precision, as DDP's allreduce averages it."""
+    if not indices:
+        return torch.empty(0)
+    wide = any(items[i].flat.dtype == torch.float64 for i in indices)
+    return torch.cat([items[i].flat.reshape(-1).to(torch.float64 if wide else torch.float32) for i in indices])
 
 
 def _bf16_copy(items) -> torch.Tensor:
