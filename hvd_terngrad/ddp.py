@@ -16,6 +16,8 @@ and travel with the configured transport, two collectives whatever its size; the
 (min_numel, exclude) are averaged in one allreduce. The codes depend on (seed, step, rank, tensor name) and the
 shared scaler, not on the buckets, so for allgather, summed and sharded the average is bit for bit the one
 hvd_terngrad's Horovod optimizer computes (sharded-ternary's owners draw per group, so there it differs).
+A bucket of sparse gradients goes uncoded, alone, averaged as DDP's allreduce_hook averages it (_Exchanges.sparse);
+with one rank the hook returns the buckets as they are.
 
 How it overlaps backward (the trade-off against a hook that waits inside itself): the hook hands each group of
 buckets to one worker thread of this state and returns each bucket's future. The worker runs the whole
@@ -26,9 +28,11 @@ could pair different collectives across ranks. DDP waits for every future at the
 expects of a hook, the future's value is the bucket's average (DDP does not divide by the world size).
 
 Where transport="auto" sends every bucket uncoded in fp32, no coded bucket's collectives need keeping in order,
-and the hook averages each bucket itself, as DDP's own allreduce does: one allreduce in place, no worker thread
-(TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
-collective in a callback). Registered with TernGradState.register, those averages run in C++ once auto has
+and the hook averages each fp32 bucket itself, as DDP's own allreduce does: one allreduce in place, no worker
+thread (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
+collective in a callback). Only up to a step's first bucket of another kind (fp64, bf16, sparse): that one and
+every later bucket of the step go to the worker, so the training thread never issues a collective while the
+worker may still issue an earlier one (_averages_now). Registered with TernGradState.register, those averages run in C++ once auto has
 decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast link 5-6%; there they
 can travel in bf16 too (NATIVE_WIRES), as torch's bf16_compress_hook sends them. In fp16 a
 tensor that outgrew its scale needs a second average (transports.uncoded), which a callback may not start: the
