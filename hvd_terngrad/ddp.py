@@ -32,9 +32,9 @@ and the hook averages each fp32 bucket itself, as DDP's own allreduce does: one 
 thread (TernGradState._average_now; its non-finite check and its bound on a rank that never joins need no
 collective in a callback). Only up to a step's first bucket of another kind (fp64, bf16, sparse): that one and
 every later bucket of the step go to the worker, so the training thread never issues a collective while the
-worker may still issue an earlier one (_averages_now). Registered with TernGradState.register, those averages run in C++ once auto has
-decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast link 5-6%; there they
-can travel in bf16 too (NATIVE_WIRES), as torch's bf16_compress_hook sends them. In fp16 a
+worker may still issue an earlier one (_averages_now). Registered with TernGradState.register, those averages
+run in C++ once auto has decided (csrc/ddp_hook.cpp, _Native), where a Python hook's calls cost a step on a fast
+link 5-6%; there they can travel in bf16 too (NATIVE_WIRES), as torch's bf16_compress_hook sends them. In fp16 a
 tensor that outgrew its scale needs a second average (transports.uncoded), which a callback may not start: the
 hook launches each bucket's fp16 average itself, in launch order, and the worker finishes the step's buckets
 after the last launch (TernGradState._all_uncoded).
