@@ -214,7 +214,7 @@ class TernGradState:
     def _split(self, bucket: dist.GradBucket):
         """The bucket's gradients as (name, view of the buffer): the coded ones, and those that stay in float."""
         coded, floats = [], []
-        for p, grad in zip(bucket.parameters(), bucket.gradients()):  # views of the bucket's buffer
+        for p, grad in zip(bucket.parameters(), _gradient_views(bucket)):
             kind = self._kinds.get(p)
             if kind is None:
                 kind = self._kinds[p] = self._kind(p)
@@ -578,8 +578,27 @@ def _forget_later_buckets(known: dict, bucket: dist.GradBucket) -> None:
 
 def _marker_positions(bucket: dist.GradBucket, buf: torch.Tensor, size: int) -> Optional[torch.Tensor]:
     """finite.marker_positions of a bucket's buffer `buf`, for `size` ranks."""
-    return marker_positions([(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()],
+    return marker_positions([(g.storage_offset() - buf.storage_offset(), g.numel()) for g in _gradient_views(bucket)],
                             size)
+
+
+def _gradient_views(bucket: dist.GradBucket) -> list:
+    """The bucket's gradients as views of its buffer that cover it, one per parameter. A complex parameter's
+    gradient lies in the buffer as its real view (torch.view_as_real: 2 reals per element, the parameters one
+    after another), where DDP's bucket.gradients() views p.numel() reals at offsets that count one real per
+    element: through those, most of a complex bucket went unaveraged. DDP buckets each dtype apart, so a bucket
+    is all complex or all real."""
+    grads, params = bucket.gradients(), bucket.parameters()
+    if not any(p.is_complex() for p in params):
+        return grads
+    buf, off, views = bucket.buffer(), 0, []
+    for p in params:
+        views.append(buf.narrow(0, off, 2 * p.numel()).view(*p.shape, 2))
+        off += 2 * p.numel()
+    if off != buf.numel():
+        raise TernGradError(f"hvd_terngrad: DDP bucket {bucket.index()} of complex gradients holds {buf.numel()} "
+                            f"reals where its parameters have {off}: a layout this hook does not know")
+    return views
 
 
 def _finite_average(markers: _Markers, buf: torch.Tensor) -> bool:
