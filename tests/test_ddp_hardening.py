@@ -1,9 +1,10 @@
 """The DDP hook under the patterns DDP's own comm-hook tests use: real gloo ranks under mpirun.
 
-Mixed parameter dtypes under transport="auto" (one thread issues every collective of the hook's group), sparse
-gradients (averaged as DDP's allreduce_hook averages them, to the bit), complex parameters (averaged whole), a NaN in a tensor averaged in float or
-in a sparse one (named with its rank on every rank), one rank (the gradients untouched), compiled autograd's
-Python reducer (refused), and what the state says of itself (its name in DDP's logging, pickling)."""
+Mixed parameter dtypes under transport="auto" (one order of the hook's collectives a step), sparse gradients
+(averaged as DDP's allreduce_hook averages them, to the bit), complex parameters (averaged whole), a NaN in a
+tensor averaged in float or in a sparse one (named with its rank on every rank), one rank (the gradients
+untouched), compiled autograd's Python reducer (refused), and what the state says of itself (its name in DDP's
+logging, pickling). `python -m tests.test_ddp_hardening` runs the mixed-dtype model long (main)."""
 import pickle
 
 import pytest
