@@ -135,12 +135,6 @@ Partial stats_block(const typename Elem<DT>::T* x, int64_t n, double x0) {
   return p;
 }
 
-#if TG_X86
-template <int DT>
-__attribute__((target("avx2,fma"))) Partial stats_block_avx2(const typename Elem<DT>::T* x, int64_t n, double x0) {
-  return stats_block<DT>(x, n, x0);  // same source, vectorized for AVX2 (lanes make it reassociation-free)
-}
-#endif
 
 // Highest SIMD level the kernels may use (tests lower it to check every path): 0 scalar, 2 AVX2, 3 AVX-512.
 std::atomic<int> g_max_level{3};
@@ -160,6 +154,108 @@ int simd_level() { return std::min(detected_level(), g_max_level.load(std::memor
 bool has_avx2() { return simd_level() >= 2; }
 bool has_avx512() { return simd_level() >= 3; }
 
+#if TG_X86
+// Eight elements as fp32 (fp64 rounded to nearest).
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const typename Elem<DT>::T* p) {
+  if constexpr (DT == TG_F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (DT == TG_F64) {
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_loadu_pd(p));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_loadu_pd(p + 4));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+  } else if constexpr (DT == TG_F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+
+// Statistics of one block in registers, lanes 0-3 and 4-7 in two vectors of doubles: stats_block's order, to
+// the bit. With r (fp32 only): of x + r, summed in fp32 and never stored.
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) Partial stats_block_avx2(const typename Elem<DT>::T* x, int64_t n, double x0,
+                                                                  const float* r = nullptr) {
+  static_assert(DT == TG_F32 || DT == TG_F64 || DT == TG_F16 || DT == TG_BF16, "element type");
+  const double big = DT == TG_F64 ? 1.7976931348623157e308 : 3.4028234663852886e38;
+  const __m256d vx0 = _mm256_set1_pd(x0), vbig = _mm256_set1_pd(big);
+  const __m256d absmask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  __m256d s[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, q[2] = {s[0], s[0]}, m[2] = {s[0], s[0]};
+  int64_t bad = 0, k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    __m256d v[2];
+    if constexpr (DT == TG_F64) {
+      v[0] = _mm256_loadu_pd(x + k);
+      v[1] = _mm256_loadu_pd(x + k + 4);
+    } else {
+      __m256 f = load8<DT>(x + k);
+      if constexpr (DT == TG_F32) {
+        if (r) f = _mm256_add_ps(f, _mm256_loadu_ps(r + k));
+      }
+      v[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+      v[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256d a = _mm256_and_pd(v[h], absmask), d = _mm256_sub_pd(v[h], vx0);
+      s[h] = _mm256_add_pd(s[h], d);
+      q[h] = _mm256_add_pd(q[h], _mm256_mul_pd(d, d));
+      m[h] = _mm256_max_pd(a, m[h]);  // (a > m) ? a : m: NaN never wins, as in stats_block
+      bad += 4 - __builtin_popcount(_mm256_movemask_pd(_mm256_cmp_pd(a, vbig, _CMP_LE_OQ)));
+    }
+  }
+  alignas(32) double ls[kLanes], lq[kLanes], lm[kLanes];
+  for (int h = 0; h < 2; ++h) {
+    _mm256_store_pd(ls + 4 * h, s[h]);
+    _mm256_store_pd(lq + 4 * h, q[h]);
+    _mm256_store_pd(lm + 4 * h, m[h]);
+  }
+  for (int l = 0; k < n; ++k, ++l) {  // the tail continues the lanes from 0, as in stats_block
+    const double vk = r ? (double)(Elem<DT>::f(x, k) + r[k]) : Elem<DT>::d(x, k);
+    const double a = std::fabs(vk), d = vk - x0;
+    ls[l] += d;
+    lq[l] += d * d;
+    lm[l] = a > lm[l] ? a : lm[l];
+    bad += !(a <= big);
+  }
+  Partial p;
+  for (int l = 0; l < kLanes; ++l) {
+    p.sum += ls[l];
+    p.sumsq += lq[l];
+    p.absmax = lm[l] > p.absmax ? lm[l] : p.absmax;
+  }
+  p.nonfinite = bad;
+  return p;
+}
+
+// max|x| (with r: |x + r|, fp32) of each block as block_max_range, 8 lanes at a time: a maximum is the same in
+// any order.
+__attribute__((target("avx2"))) void block_max_f32_avx2(const float* x, int64_t lo, int64_t hi, int64_t n,
+                                                        int64_t block, double* out, const float* r = nullptr) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b0 = lo; b0 < hi; b0 += block) {
+    const int64_t e = std::min(n, b0 + block);
+    __m256 m = _mm256_setzero_ps();
+    int64_t i = b0;
+    for (; i + 8 <= e; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
+      m = _mm256_max_ps(_mm256_and_ps(v, absmask), m);  // NaN: keeps m
+    }
+    alignas(32) float lm[8];
+    _mm256_store_ps(lm, m);
+    float mf = 0;
+    for (; i < e; ++i) {
+      const float a = std::fabs(r ? x[i] + r[i] : x[i]);
+      mf = a > mf ? a : mf;
+    }
+    for (int l = 0; l < 8; ++l) mf = lm[l] > mf ? lm[l] : mf;
+    out[b0 / block] = mf;
+  }
+}
+
+#endif
+
 // max|x| (NaN ignored) of each block of `block` elements that starts in [lo, hi), lo a multiple of block, into
 // out[lo / block ..]; in double, exact for every input type (all but fp64 compare in fp32, exactly).
 template <int DT>
@@ -167,6 +263,7 @@ void block_max_range(const typename Elem<DT>::T* x, int64_t lo, int64_t hi, int6
 #if TG_X86
   if constexpr (DT == TG_F32) {
     if (has_avx512()) return tg::block_max_f32_avx512(x, lo, hi, n, block, out);
+    if (has_avx2()) return block_max_f32_avx2(x, lo, hi, n, block, out);
   }
 #endif
   for (int64_t b0 = lo; b0 < hi; b0 += block) {
@@ -221,7 +318,7 @@ void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double 
   std::vector<Partial> parts(nblocks);
   const bool avx2 = has_avx2(), avx512 = has_avx512();
   parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
-    const bool fused = DT == TG_F32 && avx512;  // x + r in registers; else summed into a scratch chunk
+    const bool fused = DT == TG_F32 && avx2;  // x + r in registers; else summed into a scratch chunk
     T* sum = r && !fused ? thread_scratch<T>(kStatBlock) : nullptr;
     for (int64_t i = b; i < e; ++i) {
       const int64_t off = i * kStatBlock, len = std::min(kStatBlock, n - off);
@@ -229,9 +326,14 @@ void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double 
 #if TG_X86
       if constexpr (DT == TG_F32) {
         if (r && fused) {
-          parts[i] = tg::stats_block_avx512(DT, xs, len, x0, r + off);
-          if (block_max && block <= kStatBlock)
-            tg::block_max_f32_avx512(xs, 0, len, len, block, block_max + off / block, r + off);
+          const bool with_blocks = block_max && block <= kStatBlock;
+          if (avx512) {
+            parts[i] = tg::stats_block_avx512(DT, xs, len, x0, r + off);
+            if (with_blocks) tg::block_max_f32_avx512(xs, 0, len, len, block, block_max + off / block, r + off);
+          } else {
+            parts[i] = stats_block_avx2<DT>(xs, len, x0, r + off);
+            if (with_blocks) block_max_f32_avx2(xs, 0, len, len, block, block_max + off / block, r + off);
+          }
           continue;
         }
       }
@@ -288,9 +390,13 @@ inline uint8_t code_of(float x, float scaler_2m17, uint32_t half) {
 // Scalar path for elements [b, e), b a multiple of 8, element i read at x[i - b], with scalers[i / block] (block
 // a power of two >= 8). Writes bytes b/4 .. ceil(e/4).
 // Philox block j covers elements 8j .. 8j+7; element i uses 16-bit half i % 2 of word (i % 8) / 2.
-template <int DT>
+// FB: error feedback in the same pass, any type: x + r_in coded (r_in may be null), r_out = that - s*b,
+// read and written at [i - b] (r_out may alias r_in).
+template <int DT, bool FB = false>
 void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, const float* scalers, int64_t block,
-                      const Key& key, uint8_t* out) {
+                      const Key& key, uint8_t* out, const typename Elem<DT>::T* r_in = nullptr,
+                      typename Elem<DT>::T* r_out = nullptr) {
+  using T = typename Elem<DT>::T;
   const int shift = __builtin_ctzll((uint64_t)block);
   for (int64_t j = b / 8; 8 * j < e; ++j) {
     const float scaler = scalers[(8 * j) >> shift];
@@ -305,7 +411,12 @@ void ternarize_scalar(const typename Elem<DT>::T* x, int64_t b, int64_t e, const
         const int k = 4 * half_byte + w;  // 0..7 inside the block
         const int64_t i = 8 * j + k;
         const uint32_t half = (r[k / 2] >> (16 * (k % 2))) & 0xffffu;
-        if (i < e) byte |= (uint8_t)(code_of(Elem<DT>::f(x, i - b), scaler * 0x1p-17f, half) << (2 * w));
+        if (i >= e) continue;
+        T xi = x[i - b];
+        if (FB && r_in) xi = Arith<DT>::add(xi, r_in[i - b]);
+        const uint8_t code = code_of(Elem<DT>::f(&xi, 0), scaler * 0x1p-17f, half);
+        if (FB) r_out[i - b] = Arith<DT>::sub(xi, code == 1 ? scaler : code == 2 ? -scaler : 0.0f);
+        byte |= (uint8_t)(code << (2 * w));
       }
       out[2 * j + half_byte] = byte;
     }
@@ -324,21 +435,6 @@ inline uint64_t spread_bits(uint32_t v) {
   return x;
 }
 
-template <int DT>
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const typename Elem<DT>::T* p) {
-  if constexpr (DT == TG_F32) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (DT == TG_F64) {
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_loadu_pd(p));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_loadu_pd(p + 4));
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
-  } else if constexpr (DT == TG_F16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
-}
 
 // (hi, lo) halves of the eight 32x32-bit products m * c.
 __attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m256i& hi, __m256i& lo) {
@@ -350,10 +446,11 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m25
 
 // Elements [b, e) with b and e multiples of 64, element i read at x[i - b]: eight Philox blocks (one per lane) per
 // iteration.
+// fb (fp32 only) fuses error feedback as ternarize_avx512 does: x + r_in coded, r_out = (x + r_in) - s*b.
 template <int DT>
 __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem<DT>::T* x, int64_t b, int64_t e,
                                                              const float* scalers, int64_t block, const Key& key,
-                                                             uint8_t* out) {
+                                                             uint8_t* out, const tg::Feedback* fb = nullptr) {
   const __m256i M0 = _mm256_set1_epi32((int)TG_PHILOX_M0), M1 = _mm256_set1_epi32((int)TG_PHILOX_M1);
   __m256i K0[10], K1[10];
   for (int r = 0; r < 10; ++r) {
@@ -364,9 +461,11 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
   const __m256i C2 = _mm256_set1_epi32((int)key.tensor_id), C3 = _mm256_set1_epi32((int)key.step);
   const __m256i one = _mm256_set1_epi32(1);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
   const int shift = __builtin_ctzll((uint64_t)block);  // block: a power of two (a 64-bit division is slow)
   for (int64_t i = b; i < e; i += 64) {
-    const __m256 vs17 = _mm256_set1_ps(scalers[i >> shift] * 0x1p-17f);  // 64 elements lie in one block
+    const float sc = scalers[i >> shift];  // 64 elements lie in one block
+    const __m256 vs17 = _mm256_set1_ps(sc * 0x1p-17f), vs = _mm256_set1_ps(sc);
     const uint64_t j0 = (uint64_t)i / 8;  // multiple of 8: j0 lo + 7 never carries
     __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j0), lane);
     __m256i c1 = _mm256_set1_epi32((int)((uint32_t)(j0 >> 32 & 0xffffu) | key.c1_hi));
@@ -393,9 +492,19 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
     for (int v = 0; v < 8; ++v) {
       const __m256i h = _mm256_cvtepu16_epi32(blk[v]);  // 16-bit halves, low half first
       const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(h, h), one)), vs17);
-      const __m256 xv = load8<DT>(x + (i - b) + 8 * v);
-      const uint64_t keep =
-          (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ));
+      const int64_t k = (i - b) + 8 * v;
+      __m256 xv = load8<DT>(x + k);
+      if constexpr (DT == TG_F32) {
+        if (fb && fb->r_in) xv = _mm256_add_ps(xv, _mm256_loadu_ps(fb->r_in + k));
+      }
+      const __m256 kept = _mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ);
+      if constexpr (DT == TG_F32) {
+        if (fb) {  // r = x - s*b: s with x's sign where kept, else +0 (as the decoded codes times s)
+          const __m256 sent = _mm256_and_ps(kept, _mm256_or_ps(vs, _mm256_and_ps(xv, signmask)));
+          _mm256_storeu_ps(fb->r_out + k, _mm256_sub_ps(xv, sent));
+        }
+      }
+      const uint64_t keep = (uint32_t)_mm256_movemask_ps(kept);
       const uint64_t sign = (uint32_t)_mm256_movemask_ps(xv);
       pos |= (keep & ~sign) << (8 * v);
       neg |= (keep & sign) << (8 * v);
@@ -427,7 +536,8 @@ void ternarize_range(const typename Elem<DT>::T* x, int64_t b, int64_t e, const 
 
 // Error feedback for elements [b, e) of g (r: the residual or null, r_out: where the new one goes; all read and
 // written at [i - b]): x = g + r a chunk at a time in a per-thread scratch, its codes, then r_out = x - s*b
-// from the chunk while it is in cache. Any type and SIMD level; the fp32 AVX-512 kernel fuses the same steps.
+// from the chunk while it is in cache: fp16, bf16 and fp64 at the SIMD levels, whose kernels code fp32 (the fp32
+// AVX2 and AVX-512 kernels and the scalar path fuse the same steps: ternarize_impl).
 template <int DT>
 void ternarize_feedback(const typename Elem<DT>::T* g, const typename Elem<DT>::T* r, int64_t b, int64_t e,
                         const float* scalers, int64_t block, const Key& key, uint8_t* out,
@@ -470,15 +580,23 @@ void ternarize_impl(const void* xv, const void* rv, int64_t n, const float* scal
     int64_t mid = b;
 #if TG_X86
     if constexpr (DT == TG_F32) {
-      if (has_avx512()) {  // fused in registers: one read of g and r, one write of r_out
-        mid = b + (e - b) / 64 * 64;
-        const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
+      mid = b + (e - b) / 64 * 64;  // fused in registers: one read of g and r, one write of r_out
+      const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
+      if (has_avx512()) {
         tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
+      } else if (has_avx2()) {
+        ternarize_avx2<DT>(x + b, b, mid, scalers, block, key, out, &fb);
+      } else {
+        mid = b;
       }
     }
 #endif
-    if (mid < e) ternarize_feedback<DT>(x + mid, r ? r + mid : nullptr, mid, e, scalers, block, key, out,
-                                        r_out + mid, 4096);
+    if (mid == e) return;
+    if (DT == TG_F32 || !has_avx2()) {  // the scalar path, fused (for fp32 at most a tail of 63 elements)
+      ternarize_scalar<DT, true>(x + mid, mid, e, scalers, block, key, out, r ? r + mid : nullptr, r_out + mid);
+    } else {
+      ternarize_feedback<DT>(x + mid, r ? r + mid : nullptr, mid, e, scalers, block, key, out, r_out + mid, 4096);
+    }
   });
 }
 
