@@ -1,6 +1,9 @@
 """Codec throughput, side by side in one run: GB/s of fp32 gradient, higher is better.
 
-    python -m benchmarks.codec_bench [--sizes 1M,16M,64M] [--json out.json]
+    python -m benchmarks.codec_bench [--sizes 1M,16M,64M] [--threads 1,2] [--simd scalar,avx2,avx512] [--json out.json]
+
+Every table at each SIMD level asked for (default: every level the CPU has), one level after another in one run;
+the header names the CPU.
 
 Encode = ternarize + pack (the scaler given); stats is the separate statistics pass. Baselines:
 - memcpy: a single-thread numpy copy of the same fp32 array (the memory-bound ceiling of one core);
@@ -260,24 +263,18 @@ def _table(header: str, make_rows, sizes: list[int], threads: list[int], line) -
     return rows
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1M,16M,64M")
-    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)")
-    ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    allt = os.cpu_count() or 1
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, allt})
-    print(f"hvd_terngrad codec benchmark: {platform.processor() or platform.machine()}, {allt} cores, "
-          f"SIMD level {cpu_backend.simd_level()}, torch {torch.__version__}, numpy {np.__version__}")
+def _tables(sizes: list[int], threads: list[int]) -> tuple[list, list, list]:
+    """The three tables at the SIMD level in use: throughput, what the recommended configuration adds, the 16-bit
+    wire."""
     print("GB/s of fp32 gradient (decode: of fp32 output, average of 4 ranks); ratios are ours / baseline\n")
     rows = _table(("| n | threads | memcpy 1t | encode | stats | decode | torch-ops enc | torch-ops dec | numpy enc | "
-                   "numpy dec | enc/memcpy | enc/torch-ops | dec/torch-ops |"), cpu_rows, sizes, threads, lambda r: (
+                   "numpy dec | enc/memcpy | stats/memcpy | enc/torch-ops | dec/torch-ops |"), cpu_rows, sizes, threads,
+                  lambda r: (
         f"| {fmt_size(r['n'])} | {r['threads']} | {r['memcpy_1t']:.2f} | {r['encode']:.2f} | {r['stats']:.2f} | "
         f"{r['decode']:.2f} | {r['torch_ops_encode']:.3f} | {r['torch_ops_decode']:.3f} | "
         f"{r['numpy_encode']:.3f} | {r['numpy_decode']:.3f} | {r['encode'] / r['memcpy_1t']:.2f}x | "
-        f"{r['encode'] / r['torch_ops_encode']:.0f}x | {r['decode'] / r['torch_ops_decode']:.0f}x |"))
+        f"{r['stats'] / r['memcpy_1t']:.2f}x | {r['encode'] / r['torch_ops_encode']:.0f}x | "
+        f"{r['decode'] / r['torch_ops_decode']:.0f}x |"))
     print("\nWhat the recommended configuration adds: ms per tensor of n fp32 elements through a rank's Coder "
           "(moments, scalers, codes, residual);\n'unfused' is error feedback in torch ops around the plain kernels, "
           "as before the fused ones; EF = error feedback\n")
@@ -305,6 +302,65 @@ def main(argv=None):
 
     half = _table(("| n | threads | to fp16 | torch | cast | back, with the largest | torch | cast | to: torch/ours | "
                    "back: torch/ours |"), half_rows, sizes, threads, half_line)
+    return rows, fb_rows, half
+
+
+def cpu_name() -> str:
+    """The CPU's model name and widest SIMD extension (speed figures differ between machines of one kind)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return f"{model}, {'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}"
+
+
+def simd_levels(spec: str | None) -> list[int]:
+    """The SIMD levels to run: names or numbers from spec, or every level this CPU has (None)."""
+    top = cpu_backend.set_simd_level(3)
+    names = {v: k for k, v in cpu_backend.SIMD_LEVELS.items()}
+    if spec is None:
+        return [lvl for lvl in sorted(cpu_backend.SIMD_LEVELS) if lvl <= top]
+    levels = []
+    for part in spec.split(","):
+        part = part.strip()
+        lvl = names.get(part, int(part) if part.isdigit() else None)
+        if lvl not in cpu_backend.SIMD_LEVELS:
+            raise SystemExit(f"--simd: unknown level {part!r}; allowed: {', '.join(names)}")
+        if lvl > top:
+            print(f"--simd: {part} is not on this CPU (its level is {cpu_backend.SIMD_LEVELS[top]}); left out")
+            continue
+        levels.append(lvl)
+    return levels
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M")
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)")
+    ap.add_argument("--simd", default=None, help="comma-separated SIMD levels, side by side in one run: scalar, "
+                                                 "avx2, avx512 (default: every level this CPU has)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    allt = os.cpu_count() or 1
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, allt})
+    levels = simd_levels(args.simd)
+    print(f"hvd_terngrad codec benchmark: {cpu_name()}, {allt} cores, SIMD levels "
+          f"{', '.join(cpu_backend.SIMD_LEVELS[lvl] for lvl in levels)}, torch {torch.__version__}, "
+          f"numpy {np.__version__}")
+    rows, fb_rows, half = [], [], []
+    try:
+        for lvl in levels:
+            assert cpu_backend.set_simd_level(lvl) == lvl
+            print(f"\n## SIMD level {lvl} ({cpu_backend.SIMD_LEVELS[lvl]})\n")
+            for table, got in zip((rows, fb_rows, half), _tables(sizes, threads)):
+                table += [{"simd": cpu_backend.SIMD_LEVELS[lvl], **r} for r in got]
+    finally:
+        cpu_backend.set_simd_level(3)
     g = gpu_rows(sizes)
     if g:
         print(f"\nGPU: {g[0]['device']}")

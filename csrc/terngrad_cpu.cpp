@@ -92,6 +92,12 @@ T* thread_scratch(int64_t n) {
   return buf.data();
 }
 
+// Where a pass that reads each element once (statistics, block maxima) takes threads: below this many elements
+// (half as many with a residual, two reads) the split saved less than handing a range to a worker cost (measured
+// on a 2-core AMD EPYC: docs/results.md, "The codec on AVX2"). The ternarizer and the decode, which compute
+// more per element, split from 2^18.
+constexpr int64_t kThreadsOneRead = int64_t(1) << 23;
+
 // ------------------------------------------------------------------------------------------------
 // Statistics. Fixed blocks of kStatBlock elements; inside a block element k goes to lane k % 8.
 constexpr int64_t kStatBlock = 65536;
@@ -296,7 +302,7 @@ template <int DT>
 void block_absmax_impl(const void* xv, int64_t n, int64_t block, double* out, int nthreads) {
   const auto* x = static_cast<const typename Elem<DT>::T*>(xv);
   const int64_t nblocks = (n + block - 1) / block;
-  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t bb, int64_t be) {
+  parallel_for(nblocks, n >= kThreadsOneRead ? nthreads : 1, [&](int64_t bb, int64_t be) {
     block_max_range<DT>(x, bb * block, std::min(n, be * block), n, block, out);
   });
 }
@@ -317,7 +323,7 @@ void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double 
   const int64_t nblocks = (n + kStatBlock - 1) / kStatBlock;
   std::vector<Partial> parts(nblocks);
   const bool avx2 = has_avx2(), avx512 = has_avx512();
-  parallel_for(nblocks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t b, int64_t e) {
+  parallel_for(nblocks, n >= (r ? kThreadsOneRead / 2 : kThreadsOneRead) ? nthreads : 1, [&](int64_t b, int64_t e) {
     const bool fused = DT == TG_F32 && avx2;  // x + r in registers; else summed into a scratch chunk
     T* sum = r && !fused ? thread_scratch<T>(kStatBlock) : nullptr;
     for (int64_t i = b; i < e; ++i) {

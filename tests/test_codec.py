@@ -3,6 +3,7 @@ import json
 import math
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -489,14 +490,56 @@ def test_nvrtc_check_fails_on_what_only_nvcc_accepts():
 
 
 def test_codec_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/codec_bench.py at a small size: its tables come out, error feedback's and the fp16 wire's among
-    them."""
+    """benchmarks/codec_bench.py at a small size: its tables come out at each SIMD level asked for, side by side,
+    error feedback's and the fp16 wire's among them."""
     from benchmarks import codec_bench
 
-    codec_bench.main(["--sizes", "8192", "--threads", "1", "--json", str(tmp_path / "bench.json")])
+    top = cpu.SIMD_LEVELS[cpu.set_simd_level(3)]
+    codec_bench.main(["--sizes", "8192", "--threads", "1", "--simd", f"scalar,{top}", "--json",
+                      str(tmp_path / "bench.json")])
     out = json.loads((tmp_path / "bench.json").read_text())
-    assert len(out["cpu"]) == 1 and out["cpu"][0]["encode"] > 0
+    assert cpu.SIMD_LEVELS[cpu.simd_level()] == top  # left as it was
+    levels = ["scalar"] + ([top] if top != "scalar" else [])
+    assert [r["simd"] for r in out["cpu"]] == levels and all(r["encode"] > 0 for r in out["cpu"])
+    assert [r["simd"] for r in out["feedback_seconds"]] == levels
     fb = out["feedback_seconds"][0]
     assert all(fb[k] > 0 for k in ("encode_paper", "encode_recommended", "ternarize", "ternarize_feedback"))
     assert all(out["half_seconds"][0][k] > 0 for k in ("to_half", "to_half_torch", "from_half", "from_half_torch"))
     assert "EF cost" in capsys.readouterr().out
+
+
+def _pass_digests(nthreads: int) -> list:
+    """What the multi-threaded kernels give for one 2^20-element tensor (stats, codes, residual, decode)."""
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(5)) * 0.01
+    r = torch.randn(1 << 20, generator=torch.Generator().manual_seed(6)) * 0.001
+    s, key = float(x.abs().max()), codec.RngKey(1, 2, 3, 4)
+    codes = codec.ternarize_pack(x, s, key, residual=r, residual_out=r, backend="cpu", nthreads=nthreads)
+    mean = codec.decode_mean([codes, codes], [s, s], True, x.numel(), backend="cpu", nthreads=nthreads)
+    m = cpu.moments(x, nthreads)
+    return [tuple(m), bytes(codes.numpy()), bytes(r.numpy()), bytes(mean.numpy())]
+
+
+def test_the_codecs_threads_serve_concurrent_callers_and_a_forked_child():
+    """The kernels' worker threads live between calls (csrc/terngrad_internal.h, Pool): callers on several
+    threads at once get their own results (one holds the pool, the others spawn threads), and a child forked
+    after the pool started, which has none of its threads, gets a pool of its own instead of waiting forever."""
+    import concurrent.futures
+    import os
+
+    want = _pass_digests(1)
+    assert _pass_digests(2) == want  # the pool is up
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        assert all(got == want for got in ex.map(lambda _: _pass_digests(2), range(8)))
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its threads gave the same bits
+        torch.set_num_threads(1)  # torch's OpenMP pool does not survive a fork (its threads are the parent's)
+        os._exit(0 if _pass_digests(2) == want else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("the forked child's codec call did not return within 60 s")
