@@ -94,9 +94,9 @@ T* thread_scratch(int64_t n) {
 
 // Where a pass that reads each element once (statistics, block maxima) takes threads: below this many elements
 // (half as many with a residual, two reads) the split saved less than handing a range to a worker cost (measured
-// on a 2-core AMD EPYC: docs/results.md, "The codec on AVX2"). The ternarizer and the decode, which compute
-// more per element, split from 2^18.
-constexpr int64_t kThreadsOneRead = int64_t(1) << 23;
+// on a 2-core AMD EPYC: docs/results.md, "The codec on AVX2"). The ternarizer, which computes more per element,
+// splits from kThreadsCoding; the decode from 2^18.
+constexpr int64_t kThreadsOneRead = int64_t(1) << 23, kThreadsCoding = int64_t(1) << 20;
 
 // ------------------------------------------------------------------------------------------------
 // Statistics. Fixed blocks of kStatBlock elements; inside a block element k goes to lane k % 8.
@@ -580,7 +580,7 @@ void ternarize_impl(const void* xv, const void* rv, int64_t n, const float* scal
   auto* r_out = static_cast<T*>(rov);
   constexpr int64_t kChunk = 16384;  // elements per work item, a multiple of 64
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
-  parallel_for(nchunks, n >= (int64_t(1) << 18) ? nthreads : 1, [&](int64_t cb, int64_t ce) {
+  parallel_for(nchunks, n >= kThreadsCoding ? nthreads : 1, [&](int64_t cb, int64_t ce) {
     const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
     if (!r_out) return ternarize_range<DT>(x + b, b, e, scalers, block, key, out);
     int64_t mid = b;
