@@ -178,6 +178,52 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const typename Elem
   }
 }
 
+// Eight fp16 or bf16 values, and eight fp32 rounded to them as float_to_half and float_to_bf16 round (to nearest
+// even; every NaN the one NaN those give: F16C keeps a NaN's payload).
+template <int DT>
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(__m128i h) {
+  if constexpr (DT == TG_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int DT>
+__attribute__((target("avx2,f16c"))) inline __m128i round8(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  __m256i h;
+  if constexpr (DT == TG_F16) {
+    h = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)),
+                                          _mm256_set1_epi32(0x7e00));
+    h = _mm256_blendv_epi8(h, quiet, _mm256_castps_si256(nan));
+  } else {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+  }
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+}
+
+// add_chunk at AVX2: the same sums, rounded as Arith<DT>::add rounds them.
+template <int DT>
+__attribute__((target("avx2,fma,f16c"))) void add_chunk_avx2(const typename Elem<DT>::T* g,
+                                                             const typename Elem<DT>::T* r, int64_t len,
+                                                             typename Elem<DT>::T* buf) {
+  int64_t k = 0;
+  for (; k + 8 <= len; k += 8) {
+    if constexpr (DT == TG_F64) {
+      _mm256_storeu_pd(buf + k, _mm256_add_pd(_mm256_loadu_pd(g + k), _mm256_loadu_pd(r + k)));
+      _mm256_storeu_pd(buf + k + 4, _mm256_add_pd(_mm256_loadu_pd(g + k + 4), _mm256_loadu_pd(r + k + 4)));
+    } else if constexpr (DT == TG_F32) {
+      _mm256_storeu_ps(buf + k, _mm256_add_ps(_mm256_loadu_ps(g + k), _mm256_loadu_ps(r + k)));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(buf + k),
+                       round8<DT>(_mm256_add_ps(load8<DT>(g + k), load8<DT>(r + k))));
+    }
+  }
+  for (; k < len; ++k) buf[k] = Arith<DT>::add(g[k], r[k]);
+}
+
 // Statistics of one block in registers, lanes 0-3 and 4-7 in two vectors of doubles: stats_block's order, to
 // the bit. With r (fp32 only): of x + r, summed in fp32 and never stored.
 template <int DT>
@@ -345,7 +391,15 @@ void stats_impl(const void* xv, const void* rv, int64_t n, int nthreads, double 
       }
 #endif
       if (r) {
+#if TG_X86
+        if (avx2) {
+          add_chunk_avx2<DT>(x + off, r + off, len, sum);
+        } else {
+          add_chunk<DT>(x + off, r + off, len, sum);
+        }
+#else
         add_chunk<DT>(x + off, r + off, len, sum);
+#endif
         xs = sum;
       }
 #if TG_X86
@@ -452,11 +506,13 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i m, __m256i c, __m25
 
 // Elements [b, e) with b and e multiples of 64, element i read at x[i - b]: eight Philox blocks (one per lane) per
 // iteration.
-// fb (fp32 only) fuses error feedback as ternarize_avx512 does: x + r_in coded, r_out = (x + r_in) - s*b.
+// With r_out, error feedback in the same registers, any type, as the scalar path computes it: x + r_in coded
+// (r_in may be null), r_out = that - s*b, each rounded to the element type (Arith); read and written at [i - b].
 template <int DT>
 __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem<DT>::T* x, int64_t b, int64_t e,
                                                              const float* scalers, int64_t block, const Key& key,
-                                                             uint8_t* out, const tg::Feedback* fb = nullptr) {
+                                                             uint8_t* out, const typename Elem<DT>::T* r_in = nullptr,
+                                                             typename Elem<DT>::T* r_out = nullptr) {
   const __m256i M0 = _mm256_set1_epi32((int)TG_PHILOX_M0), M1 = _mm256_set1_epi32((int)TG_PHILOX_M1);
   __m256i K0[10], K1[10];
   for (int r = 0; r < 10; ++r) {
@@ -499,15 +555,34 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
       const __m256i h = _mm256_cvtepu16_epi32(blk[v]);  // 16-bit halves, low half first
       const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(h, h), one)), vs17);
       const int64_t k = (i - b) + 8 * v;
-      __m256 xv = load8<DT>(x + k);
-      if constexpr (DT == TG_F32) {
-        if (fb && fb->r_in) xv = _mm256_add_ps(xv, _mm256_loadu_ps(fb->r_in + k));
+      __m256 xv;     // what is coded, in fp32
+      __m256d xd[2]; // fp64: x + r_in itself
+      if constexpr (DT == TG_F64) {
+        xd[0] = _mm256_loadu_pd(x + k);
+        xd[1] = _mm256_loadu_pd(x + k + 4);
+        if (r_in) {
+          xd[0] = _mm256_add_pd(xd[0], _mm256_loadu_pd(r_in + k));
+          xd[1] = _mm256_add_pd(xd[1], _mm256_loadu_pd(r_in + k + 4));
+        }
+        xv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(xd[0])), _mm256_cvtpd_ps(xd[1]), 1);
+      } else {
+        xv = load8<DT>(x + k);
+        if (r_in) {
+          xv = _mm256_add_ps(xv, load8<DT>(r_in + k));
+          if constexpr (DT == TG_F16 || DT == TG_BF16) xv = widen8<DT>(round8<DT>(xv));
+        }
       }
       const __m256 kept = _mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ);
-      if constexpr (DT == TG_F32) {
-        if (fb) {  // r = x - s*b: s with x's sign where kept, else +0 (as the decoded codes times s)
-          const __m256 sent = _mm256_and_ps(kept, _mm256_or_ps(vs, _mm256_and_ps(xv, signmask)));
-          _mm256_storeu_ps(fb->r_out + k, _mm256_sub_ps(xv, sent));
+      if (r_out) {  // r = x - s*b: s with x's sign where kept, else +0 (as the decoded codes times s)
+        const __m256 sent = _mm256_and_ps(kept, _mm256_or_ps(vs, _mm256_and_ps(xv, signmask)));
+        if constexpr (DT == TG_F32) {
+          _mm256_storeu_ps(r_out + k, _mm256_sub_ps(xv, sent));
+        } else if constexpr (DT == TG_F64) {
+          _mm256_storeu_pd(r_out + k, _mm256_sub_pd(xd[0], _mm256_cvtps_pd(_mm256_castps256_ps128(sent))));
+          _mm256_storeu_pd(r_out + k + 4, _mm256_sub_pd(xd[1], _mm256_cvtps_pd(_mm256_extractf128_ps(sent, 1))));
+        } else {  // the sent value in the element type first, as the decoded codes times s are
+          const __m256 diff = _mm256_sub_ps(xv, widen8<DT>(round8<DT>(sent)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r_out + k), round8<DT>(diff));
         }
       }
       const uint64_t keep = (uint32_t)_mm256_movemask_ps(kept);
@@ -540,34 +615,6 @@ void ternarize_range(const typename Elem<DT>::T* x, int64_t b, int64_t e, const 
   if (mid < e) ternarize_scalar<DT>(x + (mid - b), mid, e, scalers, block, key, out);
 }
 
-// Error feedback for elements [b, e) of g (r: the residual or null, r_out: where the new one goes; all read and
-// written at [i - b]): x = g + r a chunk at a time in a per-thread scratch, its codes, then r_out = x - s*b
-// from the chunk while it is in cache: fp16, bf16 and fp64 at the SIMD levels, whose kernels code fp32 (the fp32
-// AVX2 and AVX-512 kernels and the scalar path fuse the same steps: ternarize_impl).
-template <int DT>
-void ternarize_feedback(const typename Elem<DT>::T* g, const typename Elem<DT>::T* r, int64_t b, int64_t e,
-                        const float* scalers, int64_t block, const Key& key, uint8_t* out,
-                        typename Elem<DT>::T* r_out, int64_t chunk) {
-  using T = typename Elem<DT>::T;
-  const int shift = __builtin_ctzll((uint64_t)block);
-  T* x = thread_scratch<T>(chunk);
-  for (int64_t c = b; c < e; c += chunk) {
-    const int64_t len = std::min(chunk, e - c);
-    if (r) {
-      add_chunk<DT>(g + (c - b), r + (c - b), len, x);
-    } else {
-      std::memcpy(x, g + (c - b), sizeof(T) * len);
-    }
-    ternarize_range<DT>(x, c, c + len, scalers, block, key, out);
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t i = c + k;
-      const unsigned code = (out[i / 4] >> (2 * (i % 4))) & 3u;
-      const float s = scalers[i >> shift];
-      r_out[i - b] = Arith<DT>::sub(x[k], code == 1 ? s : code == 2 ? -s : 0.0f);
-    }
-  }
-}
-
 // Elements [0, n), element i with scalers[i / block] (block: a power of two >= 64; kOneBlock for one scaler), in
 // work items of kChunk elements; only the tensor's last elements (past a multiple of 64) take the scalar path.
 // With r_out: error feedback (x = g + r coded, r_out the new residual; r may be null, r_out may alias it).
@@ -583,26 +630,25 @@ void ternarize_impl(const void* xv, const void* rv, int64_t n, const float* scal
   parallel_for(nchunks, n >= kThreadsCoding ? nthreads : 1, [&](int64_t cb, int64_t ce) {
     const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
     if (!r_out) return ternarize_range<DT>(x + b, b, e, scalers, block, key, out);
+    // fused in registers: one read of g and r, one write of r_out (the AVX2 kernel for the types the AVX-512 one
+    // does not fuse), the scalar path for the last elements past a multiple of 64, or all of them
     int64_t mid = b;
 #if TG_X86
-    if constexpr (DT == TG_F32) {
-      mid = b + (e - b) / 64 * 64;  // fused in registers: one read of g and r, one write of r_out
-      const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
-      if (has_avx512()) {
-        tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
-      } else if (has_avx2()) {
-        ternarize_avx2<DT>(x + b, b, mid, scalers, block, key, out, &fb);
-      } else {
-        mid = b;
+    if (has_avx2()) {
+      mid = b + (e - b) / 64 * 64;
+      bool done = false;
+      if constexpr (DT == TG_F32) {
+        if (has_avx512()) {
+          const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
+          tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
+          done = true;
+        }
       }
+      if (!done) ternarize_avx2<DT>(x + b, b, mid, scalers, block, key, out, r ? r + b : nullptr, r_out + b);
     }
 #endif
-    if (mid == e) return;
-    if (DT == TG_F32 || !has_avx2()) {  // the scalar path, fused (for fp32 at most a tail of 63 elements)
+    if (mid < e)
       ternarize_scalar<DT, true>(x + mid, mid, e, scalers, block, key, out, r ? r + mid : nullptr, r_out + mid);
-    } else {
-      ternarize_feedback<DT>(x + mid, r ? r + mid : nullptr, mid, e, scalers, block, key, out, r_out + mid, 4096);
-    }
   });
 }
 
