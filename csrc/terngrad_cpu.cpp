@@ -188,20 +188,22 @@ __attribute__((target("avx2,f16c"))) inline __m256 widen8(__m128i h) {
 
 template <int DT>
 __attribute__((target("avx2,f16c"))) inline __m128i round8(__m256 f) {
-  const __m256i bits = _mm256_castps_si256(f);
   const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-  __m256i h;
+  const bool any_nan = _mm256_movemask_ps(nan) != 0;  // rare: the common case skips the NaN blend
+  const __m256i bits = _mm256_castps_si256(f);
   if constexpr (DT == TG_F16) {
-    h = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (__builtin_expect(!any_nan, 1)) return h;
     const __m256i quiet = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)),
                                           _mm256_set1_epi32(0x7e00));
-    h = _mm256_blendv_epi8(h, quiet, _mm256_castps_si256(nan));
+    const __m256i w = _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), quiet, _mm256_castps_si256(nan));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08));
   } else {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    if (__builtin_expect(any_nan, 0)) h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
   }
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
 }
 
 // add_chunk at AVX2: the same sums, rounded as Arith<DT>::add rounds them.
@@ -528,6 +530,11 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
   for (int64_t i = b; i < e; i += 64) {
     const float sc = scalers[i >> shift];  // 64 elements lie in one block
     const __m256 vs17 = _mm256_set1_ps(sc * 0x1p-17f), vs = _mm256_set1_ps(sc);
+    // s in the element type, as the decoded codes times s are (rounding is symmetric, so -s rounds to its negation)
+    __m256 vs_t = vs;
+    if constexpr (DT == TG_F16 || DT == TG_BF16) {
+      if (r_out) vs_t = widen8<DT>(round8<DT>(vs));
+    }
     const uint64_t j0 = (uint64_t)i / 8;  // multiple of 8: j0 lo + 7 never carries
     __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)j0), lane);
     __m256i c1 = _mm256_set1_epi32((int)((uint32_t)(j0 >> 32 & 0xffffu) | key.c1_hi));
@@ -574,14 +581,14 @@ __attribute__((target("avx2,fma,f16c"))) void ternarize_avx2(const typename Elem
       }
       const __m256 kept = _mm256_cmp_ps(t, _mm256_and_ps(xv, absmask), _CMP_LT_OQ);
       if (r_out) {  // r = x - s*b: s with x's sign where kept, else +0 (as the decoded codes times s)
-        const __m256 sent = _mm256_and_ps(kept, _mm256_or_ps(vs, _mm256_and_ps(xv, signmask)));
+        const __m256 sent = _mm256_and_ps(kept, _mm256_or_ps(vs_t, _mm256_and_ps(xv, signmask)));
         if constexpr (DT == TG_F32) {
           _mm256_storeu_ps(r_out + k, _mm256_sub_ps(xv, sent));
         } else if constexpr (DT == TG_F64) {
           _mm256_storeu_pd(r_out + k, _mm256_sub_pd(xd[0], _mm256_cvtps_pd(_mm256_castps256_ps128(sent))));
           _mm256_storeu_pd(r_out + k + 4, _mm256_sub_pd(xd[1], _mm256_cvtps_pd(_mm256_extractf128_ps(sent, 1))));
-        } else {  // the sent value in the element type first, as the decoded codes times s are
-          const __m256 diff = _mm256_sub_ps(xv, widen8<DT>(round8<DT>(sent)));
+        } else {  // sent is in the element type already
+          const __m256 diff = _mm256_sub_ps(xv, sent);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(r_out + k), round8<DT>(diff));
         }
       }
