@@ -16,7 +16,13 @@ Tasks, from data that installs with the project:
   charlm   a 2-layer character transformer on this Python's standard library source; bits per character
   ncf      neural collaborative filtering (GMF + MLP embeddings, as NCF) on implicit feedback drawn from a
            seeded low-rank model of 1,000 users and 500 items; hit rate at 10 of the held-out item among 100
-The paper's recipe: SGD with momentum 0.9, poly-0.5 learning-rate decay, the classifier excluded from
+Two communication-bound tasks, where the gradient exchange on a 1 Gbit/s link costs several times the compute
+(the time-to-accuracy benchmark's; run here by name, --tasks vgg,wordlm):
+  vgg      a VGG-style net on the MNIST images: two convolution blocks, then two 2048-wide fully-connected
+           layers (10.7 M parameters, 98% of them in the FC layers, as in AlexNet and VGG)
+  wordlm   a one-layer transformer language model over an 8,192-word vocabulary of this Python's standard
+           library source, input and output embeddings tied (7.4 M parameters); validation perplexity
+The paper's recipe: SGD with momentum 0.9 (wordlm: Adam), poly-0.5 learning-rate decay, the classifier excluded from
 coding, c = 2.5. Each worker's batch stays the same at every N (the global batch grows with N), as in the
 paper. Each worker keeps its own batch-norm running statistics (Horovod averages gradients, not buffers);
 worker 0's are evaluated.
@@ -65,15 +71,23 @@ _ORDER = METHODS + PEERS + ABLATIONS  # the report's order
 @dataclass(frozen=True)
 class Task:
     name: str
-    metric: str  # "acc" (higher is better, %) or "bpc" (lower is better)
+    metric: str  # "acc" (higher is better, %), "bpc" or "ppl" (bits per character, perplexity: lower is better)
     batch: int  # per worker
     lr: float
     epochs: int  # passes over the training set, whatever N
     classifier: str = "head.*"  # excluded from coding, as in the paper
     min_steps: int = 0  # at least this many steps, where the epochs at a large N would give too few to learn
-    # Off in the suite; for recipe studies with --set (docs/results.md: the LM's recipe):
     warmup: float = 0.0  # fraction of the steps over which the learning rate ramps up linearly
+    optimizer: str = "sgd"  # "sgd": momentum 0.9, the paper's; "adam": Adam (betas 0.9, 0.999), as LMs train
+    # Off in the suite; for recipe studies with --set (docs/results.md: the LM's recipe):
     clip_norm: float = 0.0  # > 0: the averaged gradient's global norm is clipped to it, as after synchronize()
+
+
+def base_optimizer(task: Task, params) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `params`, at the task's base learning rate."""
+    if task.optimizer == "adam":
+        return torch.optim.Adam(params, lr=task.lr)
+    return torch.optim.SGD(params, lr=task.lr, momentum=0.9)
 
 
 def _mnist():
@@ -89,11 +103,8 @@ def _mnist():
 
 def _python_text(chars: int = 400_000):
     """Characters of this Python's standard library source, in a fixed file order."""
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
     text = []
-    for f in sorted(root.glob("*.py")):
+    for f in _python_sources():
         text.append(f.read_text(errors="replace"))
         if sum(map(len, text)) > chars * 1.2:
             break
@@ -102,6 +113,47 @@ def _python_text(chars: int = 400_000):
     ids = torch.tensor([vocab.index(c) for c in s], dtype=torch.int64)
     cut = chars
     return ids[:cut], ids[cut:], len(vocab)
+
+
+def _python_sources():
+    """This Python's standard library modules (*.py at its top level), in a fixed order."""
+    import sysconfig
+
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+WORDS = 8192  # wordlm's vocabulary: the training text's most frequent words and symbols, the last id <unk>
+
+
+def _python_words(context: int, train: int = 2000, valid: int = 125):
+    """Word-level windows of context + 1 tokens from the standard library's source (names, numbers and single
+    symbols; whitespace dropped): `train` windows spread evenly over the whole library, so that the text spans
+    its vocabulary, and `valid` held-out windows from between them. The vocabulary is the training windows'
+    WORDS - 1 most frequent tokens (ties by first appearance); the rest are <unk>. Returns the windows as
+    (train, context + 1) and (valid, context + 1) ids, and the vocabulary."""
+    import re
+    from collections import Counter
+
+    tokens = []
+    for f in _python_sources():
+        tokens += re.findall(r"[A-Za-z_][A-Za-z_0-9]*|\d+|[^\sA-Za-z_0-9]", f.read_text(errors="replace"))
+    w = context + 1
+    stride = len(tokens) // train
+    assert stride >= 2 * w, f"{len(tokens)} tokens are too few for {train} windows of {w}"
+    starts = [i * stride for i in range(train)]
+    held = [i * (train // valid) * stride + stride // 2 for i in range(valid)]  # between training windows
+    text = [t for s in starts for t in tokens[s: s + w]]
+    counts = Counter(text)
+    first: dict[str, int] = {}
+    for t in text:
+        first.setdefault(t, len(first))
+    vocab = sorted(counts, key=lambda t: (-counts[t], first[t]))[: WORDS - 1]
+    index = {t: i for i, t in enumerate(vocab)}
+
+    def ids(at):
+        return torch.tensor([[index.get(t, len(vocab)) for t in tokens[s: s + w]] for s in at], dtype=torch.int64)
+
+    return ids(starts), ids(held), vocab + ["<unk>"]
 
 
 def _implicit_feedback(users: int = 1000, items: int = 500, per_user: int = 20, negatives: int = 4):
@@ -204,9 +256,52 @@ class CharTransformer(nn.Module):
         return self.head(self.body(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
 
 
+class VGGStyle(nn.Module):
+    """Convolutions for features, then wide fully-connected layers, which hold nearly all the parameters: the
+    shape of AlexNet and VGG, whose FC layers made the paper's case, at MNIST's 28 x 28 (two 2x2 poolings
+    leave 7 x 7 x 64 features)."""
+
+    def __init__(self, width: int = 2048):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        self.fc = nn.Sequential(nn.Linear(64 * 7 * 7, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.fc(self.features(x)))
+
+
+class WordTransformer(nn.Module):
+    """A causal transformer over words, its output layer the input embedding (tied, as GPT-2's and most LMs'):
+    the embedding is most of the parameters, and its gradient is dense (every word's logit takes one)."""
+
+    def __init__(self, vocab: int, d: int = 512, layers: int = 1, context: int = 32):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(context, d))
+        # unit-variance embeddings, logits scaled by 1/sqrt(d): a tied matrix whose rows move at a rate SGD can
+        # take (unscaled, a frequent word's row moved several times its length per step and training diverged)
+        nn.init.normal_(self.embed.weight, std=1.0)
+        self.scale = d ** -0.5
+        layer = nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, x):
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        h = self.body(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return (self.norm(h) * self.scale) @ self.embed.weight.t()
+
+
 # Costliest first, so that --jobs starts the long runs first. The LM's lr is half the 0.2 at which FP32 itself
 # ended in NaN on one seed of three (results/lm_recipe).
 TASKS = {
+    # wordlm's output layer is its embedding (tied): nothing is left out of coding ("norm.*" is 1 K parameters).
+    # SGD trains it slowly: 316 perplexity at its best rate (3.0) in 250 steps, about the unigram model's 363;
+    # Adam at 3e-3, 229
+    "wordlm": Task("wordlm", "ppl", 2, 3e-3, 1, "norm.*", warmup=0.05, optimizer="adam"),
+    "vgg": Task("vgg", "acc", 16, 0.02, 2),
     "charlm": Task("charlm", "bpc", 16, 0.1, 2),
     # at 32 workers 3 epochs are 21 steps: too few for worker 0's own batch-norm statistics to settle
     "resnet": Task("resnet", "acc", 16, 0.05, 3, min_steps=56),
@@ -215,6 +310,9 @@ TASKS = {
     "digits": Task("digits", "acc", 16, 0.05, 8, "fc2.*", min_steps=80),  # 32 workers: 16 steps otherwise
 }
 CONTEXT = 64
+WORD_CONTEXT = 32  # wordlm's: 2 x 32 = 64 tokens a worker's step, so that its exchange outweighs its compute
+YLABEL = {"acc": "test accuracy (%)", "bpc": "test bits per character", "ppl": "validation perplexity"}
+SUITE = ("charlm", "resnet", "ncf", "lenet", "digits")  # the suite's default; vgg and wordlm run by name
 
 
 class Data:
@@ -225,6 +323,9 @@ class Data:
         if task.name == "charlm":
             self.train, self.test, self.vocab = _python_text()
             self.n_train = (len(self.train) - 1) // CONTEXT
+        elif task.name == "wordlm":  # windows, a row each
+            self.train, self.test, self.words = _python_words(WORD_CONTEXT)
+            self.n_train = len(self.train)
         elif task.name == "ncf":
             self.triples, self.test, self.users, self.items = _implicit_feedback()
             self.n_train = len(self.triples)
@@ -242,12 +343,16 @@ class Data:
             return SmallResNet()
         if t == "ncf":
             return NCF(self.users, self.items)
+        if t == "vgg":
+            return VGGStyle()
+        if t == "wordlm":
+            return WordTransformer(len(self.words), context=WORD_CONTEXT)
         return CharTransformer(self.vocab, context=CONTEXT)
 
     def loss(self, model, idx: torch.Tensor) -> torch.Tensor:
-        if self.task.name == "charlm":
-            starts = idx * CONTEXT
-            seq = torch.stack([self.train[s: s + CONTEXT + 1] for s in starts.tolist()])
+        if self.task.name in ("charlm", "wordlm"):
+            seq = self.train[idx] if self.task.name == "wordlm" else torch.stack(
+                [self.train[s: s + CONTEXT + 1] for s in (idx * CONTEXT).tolist()])
             logits = model(seq[:, :-1])
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
         if self.task.name == "ncf":
@@ -259,12 +364,13 @@ class Data:
     def evaluate(self, model) -> float:
         model.eval()
         try:
-            if self.task.name == "charlm":
+            if self.task.name in ("charlm", "wordlm"):
                 n = (len(self.test) - 1) // CONTEXT
-                seq = torch.stack([self.test[i * CONTEXT: i * CONTEXT + CONTEXT + 1] for i in range(n)])
+                seq = self.test if self.task.name == "wordlm" else torch.stack(
+                    [self.test[i * CONTEXT: i * CONTEXT + CONTEXT + 1] for i in range(n)])
                 logits = model(seq[:, :-1])
                 nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
-                return float(nats) / math.log(2)
+                return math.exp(float(nats)) if self.task.metric == "ppl" else float(nats) / math.log(2)
             if self.task.name == "ncf":  # hit rate at 10: the held-out item among the 10 best of its 100
                 users, cands = self.test[:, :1].expand(-1, 100), self.test[:, 1:]
                 scores = model(users.reshape(-1), cands.reshape(-1)).view(-1, 100)
@@ -297,7 +403,7 @@ def train(data: Data, method: str, workers: int, seed: int, steps_cap: int | Non
     model = data.model()
     m = parse_method(method)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=task.lr, momentum=0.9)
+    opt = base_optimizer(task, params)
     per_epoch, total = plan(task, data.n_train, workers)
     total = total if steps_cap is None else min(steps_cap, total)
     if m.compression == "terngrad":
@@ -378,7 +484,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         if paired:
             m = statistics.mean(finals[s] for s in paired)
             b = statistics.mean(base[s] for s in paired)
-            gap = m - b if TASKS[task].metric == "acc" else 100.0 * (m / b - 1)  # pp, or % of bpc
+            gap = m - b if TASKS[task].metric == "acc" else 100.0 * (m / b - 1)  # pp, or % of bpc or ppl
         nan = float("nan")
         rows.append({"task": task, "workers": n, "method": method, "mean": statistics.mean(vals) if vals else nan,
                      "min": min(vals, default=nan), "max": max(vals, default=nan), "seeds": len(finals),
@@ -391,7 +497,7 @@ def table(rows: list[dict]) -> str:
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         acc = TASKS[r["task"]].metric == "acc"
-        unit = "%" if acc else " bpc"
+        unit = "%" if acc else f" {TASKS[r['task']].metric}"
         gap = "" if r["gap"] is None else (f"{r['gap']:+.2f} pp" if acc else f"{r['gap']:+.1f}%")
         worse = r["gap"] is not None and ((acc and r["gap"] < -0.5) or (not acc and r["gap"] > 1.0))
         seeds = f"{r['seeds']} ({r['diverged']} diverged)" if r["diverged"] else str(r["seeds"])
@@ -419,7 +525,7 @@ def plot(runs: list[dict], out: Path) -> None:
                     ax.plot(steps, mean, marker=".", label=method)
             ax.set_title(f"{task}, {n} workers")
             ax.set_xlabel("step")
-            ax.set_ylabel("test accuracy (%)" if TASKS[task].metric == "acc" else "test bits per character")
+            ax.set_ylabel(YLABEL[TASKS[task].metric])
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
@@ -455,7 +561,7 @@ def _runs(todo: list, jobs: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", help=f"default: {','.join(SUITE)} (--smoke: every task, {','.join(TASKS)})")
     ap.add_argument("--workers", default="2,8,32")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seeds", default="0,1,2")
@@ -480,7 +586,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = json.loads((out / "fidelity_suite.json").read_text()) if args.append else []
-    todo = [(task, n, method, seed, steps_cap) for task in args.tasks.split(",") for n in workers
+    tasks = args.tasks.split(",") if args.tasks else list(TASKS if args.smoke else SUITE)
+    todo = [(task, n, method, seed, steps_cap) for task in tasks for n in workers
             for method in args.methods.split(",") for seed in seeds]
     for method in {t[2] for t in todo}:
         parse_method(method)  # a bad name fails now, not after an hour of runs

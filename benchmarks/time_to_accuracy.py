@@ -57,7 +57,7 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
     import horovod.torch as hvd
     import torch
 
-    from benchmarks.fidelity_suite import plan, schedule
+    from benchmarks.fidelity_suite import base_optimizer, plan, schedule
     from hvd_terngrad.methods import build_ddp, build_optimizer, parse_method, powersgd_start
 
     task, m = data.task, parse_method(method)
@@ -67,12 +67,11 @@ def _timed_run(data, method: str, seed: int, rank: int, size: int, max_steps: in
     total = total if max_steps is None else min(total, max_steps)
     exclude = (task.classifier,)  # the recipe's: the classifier stays in float under TernGrad
     if m.ddp:
-        net, opt, tg = build_ddp(m, model, task.lr, seed, momentum=0.9, exclude=exclude,
-                                 powersgd_start=powersgd_start(total))
+        net, opt, tg = build_ddp(m, model, task.lr, seed, exclude=exclude, powersgd_start=powersgd_start(total),
+                                 optimizer=lambda params: base_optimizer(task, params))
     else:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt, tg = build_optimizer(m, model, torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9), seed,
-                                  exclude=exclude)
+        opt, tg = build_optimizer(m, model, base_optimizer(task, model.parameters()), seed, exclude=exclude)
         net = model
     sched = schedule(getattr(opt, "base", opt), task, total)  # local's lockstep wrapper: the SGD it steps
     g = torch.Generator().manual_seed(10_000 + seed)  # the same batches on every rank and for every method
@@ -260,6 +259,8 @@ def plot(runs: list[dict], out: Path, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from benchmarks.fidelity_suite import TASKS, YLABEL
+
     for task in sorted({r["task"] for r in runs}):
         profiles = sorted({r["profile"] for r in runs if r["task"] == task})
         fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.2), squeeze=False)
@@ -280,7 +281,7 @@ def plot(runs: list[dict], out: Path, rows: list[dict]) -> None:
                     ax.axvline(r["tta"], color="grey", lw=1.0, ls="-.", label="no exchange, FP32's steps (ceiling)")
             ax.set_title(f"{task}, {here[0]['workers']} nodes, {profile}")
             ax.set_xlabel("training wall-clock (s), evaluation excluded")
-            ax.set_ylabel("test bits per character" if _lower_is_better(task) else "test metric (%)")
+            ax.set_ylabel(YLABEL[TASKS[task].metric])
             lo = [v for r in here for _, _, v in r["curve"][len(r["curve"]) // 3:] if v is not None]
             if lo and not _lower_is_better(task):
                 ax.set_ylim(max(0.0, min(lo) - 2), max(lo) + 1)

@@ -123,10 +123,11 @@ def _parse_ddp(rest: str, text: str) -> Method:
 
 
 def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: float = 0.0, exclude=(),
-              powersgd_start: int = 2):
+              powersgd_start: int = 2, optimizer=None):
     """(DDP module, SGD optimizer over it, the TernGrad hook's state or None) for a ddp: method; torch.distributed
     must be initialized. exclude: TernGrad's (parameter-name patterns left in float); powersgd_start: the
-    iteration at which PowerSGD starts compressing (plain allreduce before)."""
+    iteration at which PowerSGD starts compressing (plain allreduce before); optimizer: a function of the
+    parameters that makes the optimizer instead of SGD(base_lr, momentum)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -147,7 +148,9 @@ def build_ddp(method: Method, model, base_lr: float, seed: int = 0, momentum: fl
 
         state = TernGradState(model.named_parameters(), seed=seed, exclude=exclude, **method.terngrad_options())
         state.register(module)
-    return module, torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum), state
+    opt = (optimizer(module.parameters()) if optimizer else
+           torch.optim.SGD(module.parameters(), lr=base_lr, momentum=momentum))
+    return module, opt, state
 
 
 def build_optimizer(method: Method, model, base, seed: int = 0, exclude=(), **options):

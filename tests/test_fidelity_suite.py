@@ -115,3 +115,28 @@ def test_simulated_powersgd_is_torchs_hook_bit_for_bit():
         assert k < 2 or bucket_order == order
         out = sim.average(every)
         assert all(torch.equal(a, b) for a, b in zip(out, avg)), k
+
+
+def test_the_communication_bound_tasks_are_wide_where_the_exchange_costs():
+    """vgg: at least 10 M parameters, nearly all in its fully-connected layers; wordlm: an 8,192-word vocabulary
+    of real text, its output layer the input embedding (tied), at least 5 M parameters, all but its final norm
+    coded; both train with their recipe's optimizer (wordlm's Adam) through the simulated exchange."""
+    import torch
+
+    vgg = fidelity_suite.Data(fidelity_suite.TASKS["vgg"])
+    model = vgg.model()
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    total = sum(sizes.values())
+    assert total >= 10e6 and sum(v for n, v in sizes.items() if n.startswith("fc.")) >= 0.95 * total
+    lm = fidelity_suite.Data(fidelity_suite.TASKS["wordlm"])
+    model = lm.model()
+    assert len(lm.words) == fidelity_suite.WORDS == 8192 and lm.words[-1] == "<unk>"
+    assert lm.train.shape == (2000, fidelity_suite.WORD_CONTEXT + 1) and len(lm.test) == 125
+    assert float((lm.train == len(lm.words) - 1).float().mean()) < 0.05  # most tokens are in the vocabulary
+    names = [n for n, _ in model.named_parameters()]
+    assert sum(p.numel() for p in model.parameters()) >= 5e6 and not any("head" in n for n in names)
+    assert isinstance(fidelity_suite.base_optimizer(lm.task, model.parameters()), torch.optim.Adam)
+    for data in (vgg, lm):
+        for method in ("fp32", "terngrad:noclip:ef:block64"):
+            r = fidelity_suite.train(data, method, 2, 0, steps_cap=3)
+            assert r["steps"] == 3 and math.isfinite(r["final"]), (data.task.name, method)
