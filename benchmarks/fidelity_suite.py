@@ -127,10 +127,11 @@ WORDS = 8192  # wordlm's vocabulary: the training text's most frequent words and
 
 def _python_words(context: int, train: int = 2000, valid: int = 125):
     """Word-level windows of context + 1 tokens from the standard library's source (names, numbers and single
-    symbols; whitespace dropped): `train` windows spread evenly over the whole library, so that the text spans
-    its vocabulary, and `valid` held-out windows from between them. The vocabulary is the training windows'
-    WORDS - 1 most frequent tokens (ties by first appearance); the rest are <unk>. Returns the windows as
-    (train, context + 1) and (valid, context + 1) ids, and the vocabulary."""
+    symbols; whitespace dropped): `train` windows spread evenly over the whole library, and `valid` held-out
+    windows from between them. The vocabulary is the library's WORDS - 1 most frequent tokens outside the
+    held-out windows (ties by first appearance), as a tokenizer is fitted to a corpus, not to one epoch's
+    sample of it; the rest are <unk>. Returns the windows as (train, context + 1) and (valid, context + 1) ids,
+    and the vocabulary."""
     import re
     from collections import Counter
 
@@ -142,10 +143,9 @@ def _python_words(context: int, train: int = 2000, valid: int = 125):
     assert stride >= 2 * w, f"{len(tokens)} tokens are too few for {train} windows of {w}"
     starts = [i * stride for i in range(train)]
     held = [i * (train // valid) * stride + stride // 2 for i in range(valid)]  # between training windows
-    text = [t for s in starts for t in tokens[s: s + w]]
-    counts = Counter(text)
+    counts = Counter(tokens) - Counter(t for s in held for t in tokens[s: s + w])
     first: dict[str, int] = {}
-    for t in text:
+    for t in tokens:
         first.setdefault(t, len(first))
     vocab = sorted(counts, key=lambda t: (-counts[t], first[t]))[: WORDS - 1]
     index = {t: i for i, t in enumerate(vocab)}
