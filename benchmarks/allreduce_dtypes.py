@@ -4,7 +4,7 @@ on Horovod, side by side in one job: whether half the bytes halve the time, or a
     python -m benchmarks.cluster run --nodes 4 --profile ethernet-1g -- python -m benchmarks.allreduce_dtypes
 
 The default n is NCF's 102,305 gradients (benchmarks.fidelity_suite), whose DDP steps at 1 Gbit/s gained little
-from 16 bits (docs/time-to-accuracy.md, "NCF at 1 Gbit/s on fresh seeds"). Each (library, dtype) runs --reps
+from 16 bits (docs/notes/tta-history.md, "NCF at 1 Gbit/s on fresh seeds"). Each (library, dtype) runs --reps
 allreduces after a barrier each, in --rounds rounds that take the kinds in turn, so that the machine's drift falls
 on every kind alike; rank 0 prints each round's median, in ms. Horovod's allreduce takes no bf16.
 """

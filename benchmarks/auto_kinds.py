@@ -6,7 +6,7 @@ seed in the same job (FP32's seconds over the run's: above 1.0x, faster).
     python -m benchmarks.auto_kinds results/time_to_accuracy_side_fast results/time_to_accuracy_noise_fast
 
 Where the kinds train alike, the trial's verdict costs nothing whichever it keeps; where one kind trains
-slower than another, how often the trial keeps it is what the verdict costs (docs/time-to-accuracy.md, "The
+slower than another, how often the trial keeps it is what the verdict costs (docs/notes/tta-history.md, "The
 trial's noise"). The trial's own step noise is shown where the results record it (AutoPlan.summary).
 """
 from __future__ import annotations

@@ -6,13 +6,13 @@
 Why: a run's FP32 and its other methods start from the same weights and see the same batches, so a seed's FP32
 curve is the same in every run, and where it crosses the target early by luck, any method whose trajectory
 parts from it (a coded step, a rounding) tends to cross later. Runs on the same seeds therefore repeat one
-another's later and sooner hits (docs/time-to-accuracy.md, "Fresh seeds"); they are one sample of those seeds,
+another's later and sooner hits (docs/notes/tta-history.md, "Fresh seeds"); they are one sample of those seeds,
 not several. The sign test counts each seed once (its hits summed over the runs that have it), so that it
 asks whether the method reaches the target later than FP32 on seeds in general.
 
 Where a job trained both front ends' FP32, Horovod's is marked against DDP's (the row `fp32`): their
 trajectories part only by the order in which each sums the floats, so that row is what parting alone does to
-the hits, the null against which a method's own marks read (docs/time-to-accuracy.md, "Fresh seeds").
+the hits, the null against which a method's own marks read (docs/notes/tta-history.md, "Fresh seeds").
 """
 from __future__ import annotations
 

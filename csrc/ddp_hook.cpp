@@ -3,7 +3,7 @@
 //
 // Why: where transport="auto" keeps every bucket in fp32 (a fast link), the hook's work is DDP's own allreduce
 // plus a pass and a few reads, yet any hook written in Python costs its step 5-6% against DDP's built-in C++
-// allreduce on the emulated fast cluster (docs/time-to-accuracy-log.md, "The DDP hook in C++"): the hook's call,
+// allreduce on the emulated fast cluster (docs/notes/tta-log.md, "The DDP hook in C++"): the hook's call,
 // the allreduce's launch and the callback each cross into Python. Here those steps run with no Python: the
 // scaling by 1/N with the largest |value| read in the same pass (the codec's tg_scale, given by address), the
 // allreduce on the hook's own process group, and the check of the average where a rank's marker can be. In bf16

@@ -22,7 +22,7 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
 - For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding on all but the last: the group
   coded as it would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
   (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF 1.2-3.4 pp
-  for a hundred steps, and its time to the target (measured: docs/time-to-accuracy-log.md, "NCF's later hits under
+  for a hundred steps, and its time to the target (measured: docs/notes/tta-log.md, "NCF's later hits under
   `auto`"). On the steps after the first (which warms up allocations) each rank measures its codec seconds per element
   (the rehearsals' encode and decode time over the elements coded) and its window (the first group ready to the last
   group ready, less its own rehearsals in between where they ran on the same thread).
@@ -40,7 +40,7 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   evaluation every 7 steps fell on the fp32 plan's steps in two pairs of three and made it 8-11x the fastest
   kind; the median of all six did, but moved up to the upper steps of those left.) Tried in
   blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
-  warranted (measured: docs/time-to-accuracy-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
+  warranted (measured: docs/notes/tta-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
   it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp._Native.steer);
   timed on the Python hook, the fp32 plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the
   coded kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the
@@ -69,13 +69,13 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   that plan on a faster path (prefer), the plan is tried in that path's wires alone: the DDP hook's C++ path
   averages in fp32 and bf16 (fp32's exponent range: no scale). Against that fp32 path the fp16 plan, in Python,
   was kept on 2 seeds of 70 on `fast` (which then trained at 0.92x and 0.95x DDP FP32), and its turns cost
-  every trial time (docs/time-to-accuracy.md, "The trial's fixed cost"); in bf16 there, lenet's step was 5%
-  shorter than DDP FP32's (docs/time-to-accuracy.md, "The hook's bf16 plan on its C++ path").
+  every trial time (docs/notes/tta-history.md, "The trial's fixed cost"); in bf16 there, lenet's step was 5%
+  shorter than DDP FP32's (docs/notes/tta-history.md, "The hook's bf16 plan on its C++ path").
 - Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
   must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
   some group takes the sharded transport, every group coded with the allgather (the latency of the sharded
   transport's second collective, all there is on a small group, is what the model knows least). Measured:
-  docs/time-to-accuracy-log.md, "Auto on the emulated cluster".
+  docs/notes/tta-log.md, "Auto on the emulated cluster".
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; while a plan that
 leaves groups uncoded is in force, a group it has not seen goes uncoded too. Without a shared scaler
 (share_scaler=False) no scaler vector carries the verdict, and auto codes every group from the start.
@@ -100,13 +100,13 @@ MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan; a front end 
 # where any of them can win, mostly stayed within 1.3x. The faster step of two, not their mean: a pause between
 # two steps (an evaluation, a checkpoint) lands on one step of one kind, and made lenet's fp32 plan look 8-14x
 # the fastest over a pair's means. Each coded step in NCF's first hundred costs it accuracy
-# (docs/time-to-accuracy.md, "The trial prunes slow kinds").
+# (docs/notes/tta-history.md, "The trial prunes slow kinds").
 PRUNE = 1.5
 # A kind's trial step leaves out its steps more than PAUSE times its fastest: a pause between two steps (an
 # evaluation, a checkpoint, a stall of the machine) is not the kind's speed. The median of six stood up to two
 # such steps, but moved up to the upper of the four left: lenet's evaluation every 7 steps falls on the fp32
 # plan's steps 7 and 14, and its trial put that plan 6-25% behind coding on the DDP hook, which then trained at
-# 0.94x DDP FP32 (docs/time-to-accuracy.md, "The trial's verdict: pauses left out, the model's side on a tie").
+# 0.94x DDP FP32 (docs/notes/tta-history.md, "The trial's verdict: pauses left out, the model's side on a tie").
 PAUSE = 2.0
 # A kind on the other side of coding from the model (coding every group where its plan leaves groups uncoded,
 # or a plan where it codes every group), or a wire other than those the front end runs fastest (prefer), is
@@ -120,11 +120,11 @@ PAUSE = 2.0
 # path), which six noisy steps should not overturn. The model's side is the model's judgement, which the trial
 # is there to check (it leaves out what a byte costs the CPU, and misjudges a small model's latency-bound
 # steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's noisy NCF trials at 1 Gbit/s kept
-# coding on 4 seeds of 10 where the fp16 plan stepped a quarter faster (docs/time-to-accuracy.md, "NCF at 1
+# coding on 4 seeds of 10 where the fp16 plan stepped a quarter faster (docs/notes/tta-history.md, "NCF at 1
 # Gbit/s on fresh seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where
 # the model has no side (between the wires of its plan: it does not know what a byte costs against a pass), and
 # the front end prefers both or neither, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its
-# fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/time-to-accuracy.md,
+# fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/notes/tta-history.md,
 # "The trial's noise").
 MARGIN = 0.05
 CONFIDENCE = 2.0
@@ -135,7 +135,7 @@ CONFIDENCE = 2.0
 # and being coded, they move the trajectory: on lenet at `fast` the hook's coded kind stepped within 0.71-1.65x
 # of its fp32 plan (verdict medians over 40 fresh seeds, 6 under 0.95x), was kept on one, and its trial's coded
 # steps moved 23 of the 40 hits to the target. With AHEAD, coding went after the first pair on 19 seeds of 20
-# (docs/time-to-accuracy.md, "The trial drops a kind not ahead of the C++ path").
+# (docs/notes/tta-history.md, "The trial drops a kind not ahead of the C++ path").
 AHEAD = 1 - MARGIN
 
 

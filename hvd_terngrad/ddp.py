@@ -84,7 +84,7 @@ class TernGradState:
     bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with them, as
         one group of at least this many bytes or up to the step's last bucket (0: each bucket on its own). A
         group costs two collectives whatever its size, which on a slow link outweighs the overlap a small
-        bucket would buy (measured: docs/time-to-accuracy.md); DDP's own 25 MB buckets go alone. Where
+        bucket would buy (measured: docs/notes/tta-history.md); DDP's own 25 MB buckets go alone. Where
         transport="auto"'s plan sends every bucket uncoded, each bucket is one average on its own, as with DDP's
         own hooks.
     """
@@ -171,7 +171,7 @@ class TernGradState:
         else a warning, and the hook runs in Python). In each step for which transport="auto"'s plan is fp32 for
         every bucket, on the CPU (in its trial, or kept), the C++ path averages each bucket as _OwnAverages.start
         does, to the same bits and with the same errors, and terngrad_hook is not called: on a fast link, a hook in
-        Python costs the step 5-6% against DDP's own C++ allreduce (measured: docs/time-to-accuracy-log.md, "The
+        Python costs the step 5-6% against DDP's own C++ allreduce (measured: docs/notes/tta-log.md, "The
         DDP hook in C++"). Every other step's buckets go to terngrad_hook (_Native.steer).
 
         Raises TernGradError where DDP was built for compiled autograd's Python reducer
@@ -242,7 +242,7 @@ class TernGradState:
         collective that a callback may not start, so the hook only launches the average and the worker finishes
         the step's buckets after the last launch, any second collective in bucket order on every rank. The
         hand-over to the worker before the launch cost about 0.2 ms on the step's critical path (measured:
-        docs/time-to-accuracy-log.md, "The hook's fp16 plan at 1 Gbit/s")."""
+        docs/notes/tta-log.md, "The hook's fp16 plan at 1 Gbit/s")."""
         auto = self.pipeline.auto
         done = auto is not None and auto.coded is not None and not auto.coded and self.hierarchy is None
         return auto.wire if done else None
@@ -562,7 +562,7 @@ class _Markers:
         cpu = self.where is not None and buf.device.type == "cpu"
         self.at = self.where.tolist() if cpu else None  # the same, as Python ints
         # the buffer's elements as Python floats: on the CPU the check reads them with no torch op on gloo's
-        # thread, where one op's dispatch alone cost about 40 µs (measured: docs/time-to-accuracy-log.md, "The DDP
+        # thread, where one op's dispatch alone cost about 40 µs (measured: docs/notes/tta-log.md, "The DDP
         # hook's own fp32 averages")
         self.values = memoryview(buf.numpy()) if cpu else None
         self.scale = codec.impl(buf).scale  # the codec's backend for the buffer (Backend.scale)
@@ -786,7 +786,7 @@ def _divide(buf: torch.Tensor, size: int, scale) -> float:
     in one pass of the codec. DDP's own allreduce scales so (its reducer multiplies each gradient by 1/size as
     it copies it into the bucket), and so the average is DDP's to the bit for any world size. There backward
     has just written the bucket and it is in cache; after the sum, the division ran on gloo's thread over a
-    buffer gloo had just written, on the step's critical path (measured: docs/time-to-accuracy-log.md, "The DDP
+    buffer gloo had just written, on the step's critical path (measured: docs/notes/tta-log.md, "The DDP
     hook's own fp32 averages"). scale: the codec backend's (Backend.scale; buf is contiguous fp32)."""
     return scale(buf, 1.0 / size)
 

@@ -1,7 +1,7 @@
 """Which of many tensors hold NaN or Inf, at two small ops a tensor.
 
 A check per tensor with isfinite is three ops (isfinite, all, a read back); on a latency-bound step of many
-small tensors those cost more than the allreduce they guard (measured: docs/time-to-accuracy-log.md,
+small tensors those cost more than the allreduce they guard (measured: docs/notes/tta-log.md,
 "Auto on the emulated cluster"). A sum is two. NaN and Inf survive any sum (Inf - Inf is NaN), so a finite
 sum clears its tensor. A non-finite sum may also be finite values beyond fp32's range, so only then is the
 tensor read element by element. The sum accumulates in fp32 (fp64 for fp64 tensors): in fp64 it is exact

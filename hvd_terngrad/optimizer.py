@@ -59,7 +59,7 @@ class _Uncoded:
     A group (an uncoded bucket, or the step's tensors that are never coded) goes as one copy, once its last
     tensor is ready: its gradients back to back in a buffer kept from step to step, one collective and one check
     a group, where a tensor at a time costs a collective call each, and in fp32 two reads of its gradient for the
-    check (measured: docs/time-to-accuracy-log.md, "One average a group"). The copy leaves each rank's gradients as
+    check (measured: docs/notes/tta-log.md, "One average a group"). The copy leaves each rank's gradients as
     they were until the average is copied back, so whose gradient was non-finite is asked in a bad step only.
     - fp32: where the gradients are all contiguous fp32 tensors on one device (send_group).
     - fp16: each tensor at its scale in a slice of the buffer (transports.uncoded), where they are on one device.
@@ -353,7 +353,7 @@ class _Exchange:
     def _loose_ready(self, p):
         """A tensor that is never coded is ready. The step's never-coded tensors go together once the last is
         ready (in named order, the same on every rank): one average, where one each cost more than the overlap
-        bought (docs/time-to-accuracy-log.md, "One average a group"); in the step's last bucket's, where it joins
+        bought (docs/notes/tta-log.md, "One average a group"); in the step's last bucket's, where it joins
         (_joining)."""
         self.uncoded.loose.add(p)
         if len(self.uncoded.loose) < len(self.loose):
@@ -376,7 +376,7 @@ class _Exchange:
         """The step's last bucket where the never-coded tensors join its average: transport="auto"'s plan sends
         it uncoded in the wire they travel in. It is last in backward, so what joins waits little, and a model of
         one bucket (ncf) then averages once a step, where a second collective cost 3-4% of its step (measured:
-        docs/time-to-accuracy-log.md, "One collective a step, and grouped fp16 passes")."""
+        docs/notes/tta-log.md, "One collective a step, and grouped fp16 passes")."""
         if not (self.loose and self.buckets):
             return None
         last = self.buckets[-1]

@@ -642,7 +642,7 @@ def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error
     """The trial times each kind as it would run once kept: the fp32 and bf16 plans' steps on the C++ path (each
     ended once it has completed, as the Python kinds' steps are), the coded steps in Python. Timed in Python,
     the fp32 plan carried the Python hook's 5-8% against the C++ path it would run on, and lost to fp16 or to
-    coding by 0.4-2.8% on lenet on the fast profile (docs/time-to-accuracy.md). With error feedback, a step after a
+    coding by 0.4-2.8% on lenet on the fast profile (docs/notes/tta-history.md). With error feedback, a step after a
     coded one first merges its residuals, there too (a call into Python a bucket): no fp32 step of the trial
     follows a coded one, the bf16 plan's first step of a pair does (2 of its 6), and once decided, the first step
     after the coded verdict step merges them: each such step's average is DDP's plus the ranks' average residual.

@@ -8,12 +8,13 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "docs" / "notes").glob("*.md"))]
 SOURCES = [p for d in ("hvd_terngrad", "benchmarks", "examples", "tests", "csrc", "scripts")
            for p in sorted((ROOT / d).rglob("*")) if p.suffix in (".py", ".cpp", ".h", ".sh")
            and p.name != "test_docs.py"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-CITE = re.compile(r"docs/([\w.-]+\.md)[,:]?\s+\"([^\"]+)\"")
+CITE = re.compile(r"docs/((?:notes/)?[\w.-]+\.md)[,:]?\s+\"([^\"]+)\"")
 
 
 def slug(title: str) -> str:
@@ -70,3 +71,11 @@ def test_every_section_the_code_cites_is_on_its_page():
             if not doc.exists() or words(title) not in titles(doc):
                 missing.append(f"{src.relative_to(ROOT)}: docs/{page}, {title!r}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_results_index_is_current():
+    """results/README.md lists every folder under results/ with its command and the pages citing it, as
+    benchmarks/results_index.py writes it: a folder added, moved or no longer cited shows there."""
+    from benchmarks import results_index
+
+    assert results_index.main(["--check"]) == 0, "python -m benchmarks.results_index"

@@ -340,7 +340,7 @@ class Codec:
     def to_halves(self, xs: list[torch.Tensor], scales: list[float], out: torch.Tensor) -> torch.Tensor:
         """to_half of each x at its scale, back to back in out (contiguous fp16 of their total size, on their
         device): a group's tensors in one call of the backend, where a call a tensor costs more than the pass
-        over a small one (measured: docs/time-to-accuracy-log.md, "One collective a step, and grouped fp16 passes")."""
+        over a small one (measured: docs/notes/tta-log.md, "One collective a step, and grouped fp16 passes")."""
         n, dense = 0, []
         for x in xs:  # one loop: the checks are per tensor, a step's group has many
             if x.dtype not in SUPPORTED_DTYPES:

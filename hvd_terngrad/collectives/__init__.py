@@ -73,7 +73,7 @@ class Collectives(Protocol):
 # comes; spinning through it takes a core that other ranks sharing it, or data loaders, could compute on. So it
 # then sleeps between polls, at most 1/_NAP_FRACTION of the time waited so far and _NAP_MAX_S, which ends it at
 # most that late. Spinning 5 ms, auto's fp32 plan on lenet stepped behind Horovod FP32; 20 ms brought it level
-# (measured: docs/time-to-accuracy-log.md, "Waits that spin 20 ms"). The clock is read every _POLLS_PER_CLOCK polls.
+# (measured: docs/notes/tta-log.md, "Waits that spin 20 ms"). The clock is read every _POLLS_PER_CLOCK polls.
 _POLLS_PER_CLOCK = 64
 _SPIN_S = 20e-3
 _NAP_FRACTION = 8

@@ -90,7 +90,7 @@ class HorovodCollectives:
     def wait_all(self, handles: list, what: Callable[[int], str]) -> list[torch.Tensor]:
         """The results of many in-place collectives (plain handles) in one bounded wait, as the front end waits
         for a step's float averages. One wait for each costs a timer and a wait loop apiece on the training
-        thread, which shares its core with other ranks (measured: docs/time-to-accuracy-log.md, "Auto on the
+        thread, which shares its core with other ranks (measured: docs/notes/tta-log.md, "Auto on the
         emulated cluster"). On a timeout it names, as what(i), the latest started that is not done."""
         left = len(handles)  # handles[:left] may not be done
 

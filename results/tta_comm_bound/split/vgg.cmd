@@ -1,0 +1,1 @@
+python -m benchmarks.cluster run --nodes 4 --profile ethernet-1g -- python -m benchmarks.step_probe --task vgg --methods local,ddp:fp32,ddp:bf16,terngrad,ddp:terngrad,ddp:terngrad:noclip:ef:block64 --steps 40 --warmup 10
