@@ -1,4 +1,5 @@
-"""The main job on PyTorch DDP, no Horovod: the digits CNN with DDP's own allreduce, then with TernGrad's hook.
+"""The main job on PyTorch DDP, no Horovod: the digits FC-heavy net (examples/digits.WideDigitsNet) with DDP's own
+allreduce, then with TernGrad's hook.
 
     torchrun --nproc_per_node 2 -m examples.train_digits_ddp          # make train-ddp
     torchrun --nproc_per_node 2 -m examples.train_digits_ddp --methods fp32,bf16,terngrad --epochs 6
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from examples.digits import DigitsCNN, accuracy, load_data
+from examples.digits import WideDigitsNet, accuracy, load_data
 from hvd_terngrad import TernGradConfig
 from hvd_terngrad.ddp import InLaunchOrder, TernGradState, bf16_hook, in_launch_order
 
@@ -54,7 +55,7 @@ def run(method: str, epochs: int, batch_size: int, lr: float, seed: int) -> dict
     rank, size = dist.get_rank(), dist.get_world_size()
     xs, ys = xtr[rank::size], ytr[rank::size]
     torch.manual_seed(seed)
-    model = DigitsCNN()
+    model = WideDigitsNet()
     ddp, state = wrap(method, model, seed)  # DDP broadcasts rank 0's parameters
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     steps = torch.tensor((len(ys) + batch_size - 1) // batch_size)
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     size = dist.get_world_size()
     if dist.get_rank() == 0:
-        print(f"digits CNN on DDP, {size} workers, {args.epochs} epochs, batch {args.batch_size}/worker\n", flush=True)
+        print(f"digits, FC-heavy net, on DDP, {size} workers, {args.epochs} epochs, batch {args.batch_size}/worker\n",
+              flush=True)
     results = [run(m, args.epochs, args.batch_size, args.lr, args.seed) for m in methods]
     digests = [None] * size
     dist.all_gather_object(digests, [r["digest"] for r in results])
