@@ -1,0 +1,1 @@
+python -m benchmarks.time_to_accuracy --tasks lenet --profiles ethernet-1g --nodes 4 --seeds 901 --methods local,ddp:fp32,fp16,terngrad,terngrad:auto,ddp:terngrad:auto --out results/tta_comm_bound/lenet901

@@ -1,0 +1,1 @@
+python -m benchmarks.time_to_accuracy --tasks vgg --profiles ethernet-1g --nodes 8 --seeds 0 --methods local,ddp:fp32,fp16,ddp:bf16,ddp:powersgd,ddp:powersgd4,ddp:terngrad,ddp:terngrad:noclip:ef:block64,ddp:terngrad:auto --timeout 1700 --out results/tta_comm_bound/n8
