@@ -2,8 +2,9 @@
 
     horovodrun -np 4 python -m benchmarks.fidelity [--seeds 0,1,2] [--epochs 12] [--json out.json]
 
-Every method trains the same CNN from the same initialization per seed (examples/train_digits.py); the
-table gives the mean and spread of the final test accuracy over seeds and the gap to FP32 in points.
+Every method trains the same CNN (examples/digits.DigitsCNN, through examples/train_digits.run) from the same
+initialization per seed; the table gives the mean and spread of the final test accuracy over seeds and the gap
+to FP32 in points.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import torch
 
+from examples.digits import DigitsCNN
 from examples.train_digits import run
 
 DEFAULT_METHODS = "fp32,terngrad,terngrad:noclip,terngrad:noshare"
@@ -23,7 +25,7 @@ DEFAULT_METHODS = "fp32,terngrad,terngrad:noclip,terngrad:noshare"
 def fidelity(methods: list[str], seeds: list[int], epochs: int, lr: float = 0.05) -> dict:
     out = {}
     for m in methods:
-        out[m] = [run(m, seed=s, epochs=epochs, lr=lr, log=None)["final_acc"] for s in seeds]
+        out[m] = [run(m, seed=s, epochs=epochs, lr=lr, log=None, net=DigitsCNN)["final_acc"] for s in seeds]
     return out
 
 

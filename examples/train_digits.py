@@ -43,14 +43,15 @@ def _say(msg: str) -> None:
 
 
 def run(method: str, seed: int = 0, epochs: int = 10, batch_size: int = 32, lr: float = 0.05,
-        progress: bool = False, log=_say) -> dict:
-    """Train one method in an hvd.init()-ed process; returns per-epoch accuracy and traffic figures."""
+        progress: bool = False, log=_say, net=WideDigitsNet) -> dict:
+    """Train one method in an hvd.init()-ed process; returns per-epoch accuracy and traffic figures. `net` makes
+    the model (the fidelity benchmark trains the smaller DigitsCNN)."""
     how = parse_method(method)
     (xtr, ytr), (xte, yte) = load_data()
     rank, size = hvd.rank(), hvd.size()
     xs, ys = xtr[rank::size], ytr[rank::size]
     torch.manual_seed(seed)
-    model = WideDigitsNet()
+    model = net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt, tg = build_optimizer(how, model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), seed=seed)
 
