@@ -27,22 +27,24 @@ def _join(values) -> str:
     return ",".join(str(v) for v in sorted(set(values), key=lambda v: (str(type(v)), v)))
 
 
-def _from_tta(data: dict, out: str) -> str:
-    runs = data.get("runs", [])
-    if not runs:
-        return ""
-    return (f"python -m benchmarks.time_to_accuracy --tasks {_join(r['task'] for r in runs)} "
-            f"--profiles {_join(r['profile'] for r in runs)} --nodes {data.get('nodes', runs[0]['workers'])} "
-            f"--seeds {_join(r['seed'] for r in runs)} --methods {_join(r['method'] for r in runs)} --out {out}")
+# The JSON a benchmark writes beside its results, and how its command reads back from it: the module, the key of
+# its records, and each flag with the record field whose values it joins. A flag the JSON also records at its
+# top (the time-to-accuracy job's nodes) takes that value.
+FROM_JSON = (
+    ("time_to_accuracy.json", "benchmarks.time_to_accuracy", "runs",
+     (("tasks", "task"), ("profiles", "profile"), ("nodes", "workers"), ("seeds", "seed"), ("methods", "method"))),
+    ("sweep.json", "benchmarks.sweep", "rows",
+     (("models", "model"), ("profiles", "profile"), ("nodes", "nodes"), ("methods", "method"))),
+)
 
 
-def _from_sweep(data: dict, out: str) -> str:
-    rows = data.get("rows", [])
+def _from_json(data: dict, module: str, key: str, flags, out: str) -> str:
+    rows = data.get(key, [])
     if not rows:
         return ""
-    return (f"python -m benchmarks.sweep --models {_join(r['model'] for r in rows)} "
-            f"--profiles {_join(r['profile'] for r in rows)} --nodes {_join(r['nodes'] for r in rows)} "
-            f"--methods {_join(r['method'] for r in rows)} --out {out}")
+    args = " ".join(f"--{flag} {data[flag] if flag in data else _join(r[field] for r in rows)}"
+                    for flag, field in flags)
+    return f"python -m {module} {args} --out {out}"
 
 
 def command(entry: Path) -> str:
@@ -53,10 +55,10 @@ def command(entry: Path) -> str:
         if cmds:
             return "; ".join(line for c in cmds for line in c.read_text().splitlines()
                              if line.strip() and not line.startswith("#"))
-        for name, build in (("time_to_accuracy.json", _from_tta), ("sweep.json", _from_sweep)):
+        for name, module, key, flags in FROM_JSON:
             if (entry / name).exists():
                 try:
-                    return build(json.loads((entry / name).read_text()), rel)
+                    return _from_json(json.loads((entry / name).read_text()), module, key, flags, rel)
                 except (ValueError, KeyError, TypeError):
                     return ""
     return ""
