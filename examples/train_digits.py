@@ -8,8 +8,8 @@ terngrad with modifiers such as :stock (the stock hvd.DistributedOptimizer), :no
 
 The net (examples/digits.WideDigitsNet, 3.2 M parameters, nearly all in two wide FC layers) is one whose exchange
 costs more than its compute on a 1 Gbit/s link, the case TernGrad is for. Each worker trains on its shard of the
-training split; every epoch rank 0 prints the test accuracy, the
-bytes this worker sent per step and the compression ratio. At the end a side-by-side table compares methods.
+training split; every epoch rank 0 prints the test accuracy, the bytes this worker sent per step and the
+compression ratio. At the end a side-by-side table compares methods.
 `make train` pipes this through scripts/rank0_report.py, which shows rank 0's lines without horovodrun's
 tags (the epoch lines as one progress bar per method on a terminal) and keeps each rank's output in
 build/train-logs/.
@@ -134,7 +134,7 @@ def verdict(results: list[dict], free_link: bool) -> str:
     where = ("The workers shared this machine over localhost, where the link is free, so coding costs more than "
              "it saves: run it on an emulated 1 Gbit/s link (make train as root, with network namespaces) to see "
              "the exchange." if free_link else
-             f"This net sends {dense_bytes(WideDigitsNet()):,} bytes of fp32 gradient a worker a step, which cost "
+             f"This net sends {results[0]['dense_bytes']:,} bytes of fp32 gradient a worker a step, which cost "
              "more on this link than its compute; on a model whose exchange is cheap (the fast link, or a few "
              "hundred KB a step) TernGrad's coding does not pay: docs/time-to-accuracy.md.")
     return "\n".join(lines + [where])
