@@ -5,7 +5,7 @@ The library is loaded with ctypes (see hvd_terngrad/codec/cpu.py), so it links a
 libpython nor libtorch; it is built as an extension module only so that setuptools compiles and
 installs it in the usual way. The hook's C++ path is a torch extension, hvd_terngrad._ddp_hook: it works with the
 torch it was built against only, and where it is missing or does not load, the hook runs in Python
-(hvd_terngrad/ddp.py, TernGradState.register). pip builds in an isolated environment without torch unless
+(hvd_terngrad/ddp, TernGradState.register). pip builds in an isolated environment without torch unless
 given --no-build-isolation, as scripts/install.sh does.
 """
 import contextlib

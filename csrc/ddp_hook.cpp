@@ -14,7 +14,7 @@
 // Everything else stays in Python, in one home: every bucket goes to terngrad_hook until Python turns this path on
 // (Control.enable, between steps: auto's plan for the next step is fp32 or bf16 for every bucket, on the CPU, in
 // its trial or decided); a bucket's layout, a rank's markers, a non-finite average's error and the step's end (its
-// byte counts and pipeline.next_step) are calls into Python (_Native in ddp.py), the first on a new layout, the
+// byte counts and pipeline.next_step) are calls into Python (hvd_terngrad/ddp/native.py, Native), the first on a new layout, the
 // next two only where a value is out of range, the last once a step; and on the step after a coded one, with
 // error feedback, each bucket's residuals merged (once a bucket).
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -77,12 +77,12 @@ struct Control {
   c10::intrusive_ptr<c10d::ProcessGroup> group; // the hook's own process group (ddp._own_group)
   int size = 1;                                 // its world size
   float factor = 1.0f;                          // 1 / size, as DDP's reducer scales
-  double limit = 0.0;                           // the largest |value| a rank sends (ddp._sendable)
+  double limit = 0.0;                           // the largest |value| a rank sends (ddp.averages.sendable)
   ScaleFn scale = nullptr;                      // the codec's tg_scale
   bool bf16 = false;                            // the average travels in bf16 (else in fp32, in place)
   bool merge = false;  // each bucket first takes a coded step's error-feedback residuals, in Python (the step after)
   int64_t step = 0;                             // the pipeline's step, which Python's step_done advances
-  py::object native;                            // a weakref to ddp._Native, the calls into Python (it holds this)
+  py::object native;                            // a weakref to ddp.native.Native, the calls into Python (it holds this)
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts;  // bucket index -> its layout
   std::vector<FuturePtr> checks;                // this step's earlier buckets' checked averages
   std::vector<int64_t> buckets;                 // this step's bucket indices (their byte counts: step_done)
@@ -124,7 +124,7 @@ class Hook final : public c10d::CommHookInterface {
                 "the C++ path of the hook averages (the buckets were so when it was turned on)");
     const size_t index = bucket.getIndex();
     std::shared_ptr<const Layout> layout = this->layout(bucket, buf);
-    if (c.merge) call("merge", index);  // before the scaling, as _OwnAverages.start merges them
+    if (c.merge) call("merge", index);  // before the scaling, as ddp.averages.OwnAverages.start merges them
     double top = 0.0;
     TORCH_CHECK(c.scale(buf.data_ptr<float>(), buf.numel(), c.factor, &top, layout->nthreads) == 0,
                 "hvd_terngrad: tg_scale failed on DDP bucket ", index);
@@ -313,5 +313,5 @@ PYBIND11_MODULE(_ddp_hook, m) {
       .def("disable", [](Control& c) { c.on.store(false); }, "From the next bucket on, terngrad_hook averages.")
       .def_property_readonly("on", [](const Control& c) { return c.on.load(); });
   m.def("register", &register_hook,
-        "The hook on a DDP model's reducer (native: a weakref to ddp._Native); returns its Control, off.");
+        "The hook on a DDP model's reducer (native: a weakref to ddp.native.Native); returns its Control, off.");
 }

@@ -41,7 +41,7 @@ Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
   kind; the median of all six did, but moved up to the upper steps of those left.) Tried in
   blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
   warranted (measured: docs/notes/tta-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
-  it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp._Native.steer);
+  it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp.native.Native.steer);
   timed on the Python hook, the fp32 plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the
   coded kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the
   step after a coded one first merges the coded step's residuals, a pass coding leaves to the next kind
@@ -448,7 +448,7 @@ class AutoPlan:
         """The trial of coding against these plans. A round runs the coded kind first and the plan that sends its
         uncoded groups in fp32 last: an fp32 step then follows a 16-bit or fp32 one, never a coded one, whose
         residuals (error feedback) it would merge first, a pass over each coded tensor and, on the DDP hook's C++
-        path, a call into Python a bucket (ddp._Native.merge). A 16-bit plan's step follows a coded one in the
+        path, a call into Python a bucket (ddp.native.Native.merge). A 16-bit plan's step follows a coded one in the
         first round of a pair and pays that (2 of its 6 steps, which its median of six weighs less than a mean
         would). The model's side: the kinds that code every group where it does, else its plan's.
         The preferred kinds: the plans that send every group uncoded in a wire the front end prefers."""

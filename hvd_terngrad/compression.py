@@ -28,17 +28,21 @@ import sys
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-import hvd_terngrad.hierarchy as hierarchy
 from hvd_terngrad.collectives.horovod import HorovodCollectives, describe_process_set, process_set_id
 from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import NonFiniteGradientError, PayloadMismatchError, TernGradError
 from hvd_terngrad.pipeline import Group, Pipeline, Stage
+from hvd_terngrad.session import Session
 from hvd_terngrad.transports import TRANSPORTS
+
+if TYPE_CHECKING:
+    from hvd_terngrad.hierarchy import Hierarchy
 
 _PASS = object()
 
@@ -52,10 +56,11 @@ class TernGrad(Compressor):
         min_numel=1024, exclude=(), seed=0, error_feedback=False, backend="auto", ...).
     process_set: the Horovod process set the gradients are averaged over (default: all ranks).
 
-    connect() binds the compressor to its process set and makes its pipeline; the first compress() or use of
-    a property connects it if nothing did before (hvd_terngrad's optimizer connects it when built). Only with
-    hierarchical=True does connecting talk to the other ranks (it discovers the nodes), and then no property
-    connects it.
+    connect() binds the compressor to its process set and makes its session (hvd_terngrad.session); the first
+    compress() or use of a property connects it if nothing did before. Handed to hvd_terngrad's optimizer, it
+    hands over its options (bind) and the optimizer attaches the session it builds, so that the compressor's
+    stats and state_dict() are the optimizer's; with hierarchical=True only the optimizer connects it (it
+    discovers the nodes, a collective).
     """
 
     def __init__(self, named_parameters=None, config: TernGradConfig | None = None, process_set=None, **options):
@@ -64,9 +69,7 @@ class TernGrad(Compressor):
         self.config = config if config is not None else TernGradConfig(**options)
         self._named = list(named_parameters) if named_parameters is not None else None
         self._process_set = process_set  # None: not chosen yet (the global set, or the optimizer's)
-        self._pipeline: Pipeline | None = None
-        self._world: HorovodCollectives | None = None
-        self._hierarchy: hierarchy.Hierarchy | None = None
+        self._session: Session | None = None  # connect(), or the optimizer's (attach)
         self._by_grad: dict[int, tuple[str, torch.nn.Parameter]] = {}
         self._calls = 0
         self._done = 0
@@ -76,82 +79,77 @@ class TernGrad(Compressor):
         self._watchdog: _Watchdog | None = None
 
     # ------------------------------------------------------------------------------------------
-    def bind(self, named_parameters: list, process_set) -> None:
-        """Tie this compressor to an optimizer's parameter names and process set (hvd_terngrad's optimizer
-        calls this). Names given to TernGrad itself win; a different process set is a ValueError, since the
-        two would wait on each other's collectives forever."""
+    def bind(self, named_parameters: list, process_set) -> tuple[TernGradConfig, object]:
+        """Hand this compressor's options to hvd_terngrad's optimizer, which builds its own Session from them
+        (and attach()es it here). Names given to TernGrad itself win; a different process set is a ValueError,
+        since the two would wait on each other's collectives forever.
+
+        Returns:
+            (config, process_set): the options and the process set (None: the global one) to average over.
+        """
         if self._named is None:
             self._named = list(named_parameters)
-        mine = self._world.process_set if self._world is not None else self._process_set
+        mine = self._session.world.process_set if self._session is not None else self._process_set
         if mine is None:
             self._process_set = process_set
         elif process_set_id(mine) != process_set_id(process_set):
             raise ValueError(f"the TernGrad compressor works on {describe_process_set(mine)} but the optimizer on "
                              f"{describe_process_set(process_set)}: pass the same process_set= to both")
+        return self.config, self._process_set
+
+    def attach(self, session: Session) -> None:
+        """Make an optimizer's session this compressor's: its stats, state_dict() and Horovod elastic state are
+        then the optimizer's. ValueError where this compressor already coded with a session of its own."""
+        if self._session is not None and self._session is not session and (self._calls or self._session.pipeline.step):
+            raise ValueError("this TernGrad compressor has already coded gradients of its own; give each optimizer "
+                             "a TernGrad of its own")
+        self._session = session
 
     def connect(self) -> Pipeline:
-        """Bind to the process set and make this rank's pipeline (once). With hierarchical=True this discovers
-        the nodes: an allgather over all ranks and process-set registrations, so every rank must connect, in
-        the same order as any other process-set registration."""
-        if self._pipeline is not None:
-            return self._pipeline
-        world = HorovodCollectives(self._process_set, timeout_s=self.config.timeout_s)
-        if process_set_id(world.process_set) != 0 and not world.process_set.included():
-            raise ValueError(f"rank {hvd.rank()} is not in {describe_process_set(world.process_set)}, the TernGrad "
-                             f"compressor's: pass the optimizer's process_set= to TernGrad")
-        if self.config.hierarchical:
-            if process_set_id(world.process_set) != 0:
-                raise ValueError("hierarchical=True works on the global process set: its nodes are Horovod's")
-            self._hierarchy = hierarchy.discover(self.config.timeout_s)
-            topo = self._hierarchy.topology
-            # between the nodes (one node: nothing is coded, and the world stands in)
-            pipe = Pipeline(self.config, self._hierarchy.cross or world, rank=topo.node, size=topo.nodes)
-            if self._hierarchy.local is not None:
-                self._hierarchy.local.stats = pipe.stats
-        else:
-            pipe = Pipeline(self.config, world, blocking_ok=False)
-        world.stats = pipe.stats  # every collective counts its waits into the pipeline's stats
-        self._world, self._pipeline = world, pipe
-        return pipe
+        """Bind to the process set and make this rank's session (once), for the stock optimizer: each tensor's
+        groups finish in this rank's order of decompress() calls, so no transport whose collective blocks."""
+        if self._session is None:
+            self._session = Session.horovod(self.config, self._process_set, blocking_ok=False)
+        return self._session.pipeline
 
     @property
     def pipeline(self) -> Pipeline:
         """This rank's pipeline: the process set's, or with hierarchical=True the one between the nodes."""
-        return self._connected()._pipeline
+        return self._connected().pipeline
 
     @property
     def world(self) -> HorovodCollectives:
         """The collectives over the whole process set, for what passes through uncoded."""
-        return self._connected()._world
+        return self._connected().world
 
     @property
-    def hierarchy(self) -> hierarchy.Hierarchy | None:
+    def hierarchy(self) -> Hierarchy | None:
         """With hierarchical=True, this rank's node and its process sets; else None."""
-        return self._connected()._hierarchy
+        return self._connected().hierarchy
 
     @property
     def stats(self):
         """StatsRecorder: .last is the last finished step (StepStats), .history the recent ones."""
-        return self.pipeline.stats
+        return self._connected().stats
 
     def state_dict(self) -> dict:
         """This rank's TernGrad state for a checkpoint (Pipeline.state_dict): save it beside the model's and
         the optimizer's, one file a rank, and load_state_dict() it before the next step."""
-        return self.pipeline.state_dict()
+        return self._connected().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.pipeline.load_state_dict(state)
+        self._connected().load_state_dict(state)
 
-    def _connected(self) -> TernGrad:
-        """Connected, without a collective: a property never starts one, so with hierarchical=True only
-        connect() (or the first step) may."""
-        if self._pipeline is None:
+    def _connected(self) -> Session:
+        """The session, made without a collective: a property never starts one, so with hierarchical=True the
+        optimizer's (which discovers the nodes when built) is the only one."""
+        if self._session is None:
             if self.config.hierarchical:
                 raise RuntimeError("this TernGrad compressor is not connected yet: with hierarchical=True "
-                                   "connecting discovers the nodes (a collective), so call connect() on every rank, "
-                                   "or let the first step do it")
+                                   "hvd_terngrad.DistributedOptimizer connects it when built (discovering the nodes "
+                                   "is a collective, on every rank)")
             self.connect()
-        return self
+        return self._session
 
     def _name_of(self, tensor: torch.Tensor) -> str:
         if self._named is not None:
@@ -310,7 +308,7 @@ def _register_elastic_handler() -> None:
 
         def save(self):
             tg = self.value
-            self._saved = tg.state_dict() if tg._pipeline is not None or not tg.config.hierarchical else None
+            self._saved = tg.state_dict() if tg._session is not None or not tg.config.hierarchical else None
 
         def restore(self):
             if self._saved is not None:

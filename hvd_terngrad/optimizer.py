@@ -25,9 +25,10 @@ import horovod.torch as hvd
 import torch
 
 from hvd_terngrad.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from hvd_terngrad.compression import TernGrad
+from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.finite import nonfinite, nonfinite_average
 from hvd_terngrad.pipeline import Group, Stage
+from hvd_terngrad.session import Session
 from hvd_terngrad.transports.uncoded import half_scale
 
 
@@ -282,11 +283,11 @@ class _Exchange:
     where transport="auto" sends it uncoded; the tensors never coded go in one average, or join the last
     bucket's (_joining); sparse ones are averaged as Horovod averages them."""
 
-    def __init__(self, compression: TernGrad, named: list, bucket_bytes: int, sparse_as_dense: bool):
-        self.pipe = compression.connect()  # what codes travel through
-        self.world = compression.world  # what passes through uncoded travels over
-        self.hier = compression.hierarchy
-        self.cfg = compression.config
+    def __init__(self, session: Session, named: list, bucket_bytes: int, sparse_as_dense: bool):
+        self.pipe = session.pipeline  # what codes travel through
+        self.world = session.world  # what passes through uncoded travels over
+        self.hier = session.hierarchy
+        self.cfg = session.config
         self.named = named  # (name, parameter) of the parameters averaged, in the order every rank knows
         self.name_of = {p: n for n, p in named}
         self.bucket_bytes = bucket_bytes
@@ -480,7 +481,7 @@ class _Exchange:
 
 
 class _TernGradOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression: TernGrad, backward_passes_per_step, process_set,
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, process_set,
                  bucket_bytes, sparse_as_dense):
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -488,9 +489,15 @@ class _TernGradOptimizer(torch.optim.Optimizer):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
 
-        compression.bind(named, process_set)
+        # its own session (in bucket order on every rank: a blocking transport may be chosen), from the options
+        # of the TernGrad compressor, which then reports the optimizer's stats and state (TernGrad.attach)
+        if compression is None:
+            session = Session.horovod(TernGradConfig(), process_set)
+        else:
+            session = Session.horovod(*compression.bind(named, process_set))
+            compression.attach(session)
         in_opt = {id(p) for p in all_params}
-        self._ex = _Exchange(compression, [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad],
+        self._ex = _Exchange(session, [(n, p) for n, p in named if id(p) in in_opt and p.requires_grad],
                              bucket_bytes, sparse_as_dense)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for _, p in self._ex.named}
@@ -548,13 +555,12 @@ class _TernGradOptimizer(torch.optim.Optimizer):
             ex.start_step()
             self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
             self._synchronized = True
-        auto = ex.pipe.auto
-        deciding = auto is not None and not auto.decided
+        deciding = ex.pipe.plan.deciding
         try:
             self._skip_next_step = _skips(ex.cfg, ex.pipe, bad, float_bad, ex.world.rank)
         finally:
             ex.pipe.next_step()
-            if deciding and auto.decided:
+            if deciding and not ex.pipe.plan.deciding:
                 # the verdict's step codes every group: a trial's buffers go (half or all of a gradient's bytes
                 # each), and a kept plan makes its own again on its first step
                 ex.kept.clear()
@@ -611,9 +617,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     TernGrad() with the paper's options). op must be Average and gradient_predivide_factor 1.0;
     num_groups and groups are replaced by bucket_bytes (the dense bytes per bucket of coded tensors).
     """
-    if compression is None:
-        compression = TernGrad(named_parameters=None, process_set=process_set)
-    if not isinstance(compression, TernGrad):
+    if compression is not None and not (isinstance(getattr(compression, "config", None), TernGradConfig)
+                                        and callable(getattr(compression, "attach", None))):
         raise ValueError("hvd_terngrad.DistributedOptimizer takes compression=hvd_terngrad.TernGrad(...); for "
                          f"{type(compression).__name__} use hvd.DistributedOptimizer")
     if op != hvd.Average:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,42 @@ class Stage(enum.Enum):
     SHARED = "ready to send"  # scalers known (or not shared); the transport has not started
     SENDING = "in its transport"  # the transport's collectives are in flight
     DONE = "finished"
+
+
+class StepPlan(NamedTuple):
+    """What this step does with each group, fixed at the last step's end (Pipeline.next_step) by transport="auto"
+    (hvd_terngrad.auto), or by the configuration: every front end asks it, and nothing else, where a group goes.
+
+    coded: the keys of the groups coded this step; None: every group.
+    transport: the one transport of the coded groups; None: the configured one (auto: the model's choice per group).
+    wire: what the uncoded groups travel in (transports.uncoded.WIRES).
+    deciding: auto's trial is on: this step is measured, and its end may change the plan.
+    """
+
+    coded: frozenset | None = None
+    transport: str | None = None
+    wire: str = "fp32"
+    deciding: bool = False
+
+    @classmethod
+    def of(cls, auto: AutoPlan | None) -> StepPlan:
+        """The plan auto has in force (none: every group coded, as configured)."""
+        if auto is None:
+            return CODED
+        return cls(None if auto.coded is None else frozenset(auto.coded), auto.transport, auto.wire,
+                   not auto.decided)
+
+    def uncoded(self, key: str) -> str | None:
+        """The wire the group `key` goes uncoded in, as one average; None where it is coded."""
+        return self.wire if self.coded is not None and key not in self.coded else None
+
+    @property
+    def all_uncoded(self) -> str | None:
+        """The wire where every group goes uncoded this step, else None."""
+        return self.wire if self.coded is not None and not self.coded else None
+
+
+CODED = StepPlan()  # every group coded with the configured transport: the plan of every config but "auto"
 
 
 class Group:
@@ -75,6 +112,7 @@ class Pipeline:
         # a rehearsal's pipeline (rehearse) has no plan of its own, and sends each group in one collective
         self.rehearsing = rehearsal
         self.auto = AutoPlan() if config.transport == "auto" and not rehearsal else None  # once measured: what to code
+        self.plan = StepPlan.of(self.auto)  # this step's, fixed at the last one's end (next_step)
         self.link = config.link() if config.transport == "auto" else None  # what auto plans for (read once)
         self.rehearsal: Pipeline | None = None  # auto's measured steps: this rank's coding, rehearsed (rehearse)
         self.rehearsed_s = 0.0  # the rehearsals' encode + decode seconds this step
@@ -97,15 +135,15 @@ class Pipeline:
         return self.coder.stats
 
     def uncoded(self, key: str) -> str | None:
-        """The wire ("fp32", "fp16") transport="auto"'s plan sends the group `key` uncoded in, as one average
-        (hvd_terngrad.auto); None where it is coded."""
-        return self.auto.wire if self.auto is not None and self.auto.uncoded(key) else None
+        """The wire ("fp32", "fp16") this step's plan sends the group `key` uncoded in, as one average; None where
+        it is coded."""
+        return self.plan.uncoded(key)
 
     def float_wire(self) -> str:
         """What the tensors that are never coded (min_numel, exclude) travel in: the wire of transport="auto"'s
         uncoded groups, so that a step's averages share one dtype, which Horovod fuses into one collective (an
         fp16 plan with them in fp32 took two: docs/transports.md); else fp32."""
-        return self.auto.wire if self.auto is not None else "fp32"
+        return self.plan.wire
 
     def next_step(self) -> None:
         if self.auto is not None and not self.auto.decided:  # after the verdict, nothing to measure
@@ -113,6 +151,7 @@ class Pipeline:
             self.rehearsed_s = 0.0
             if not (self.measuring() and self.auto.rehearsing):
                 self.rehearsal = None  # its error feedback's copies of the gradients go
+            self.plan = StepPlan.of(self.auto)
         self.coder.next_step()
 
     def measuring(self) -> bool:
@@ -227,8 +266,7 @@ class Pipeline:
         if g.stage is Stage.SENDING:  # an uncoded group's average started with it
             return
         self.share(g)
-        auto = self.auto
-        configured = auto.transport if auto is not None and auto.transport else self.config.transport
+        configured = self.plan.transport or self.config.transport
         t = g.transport = resolve_transport(configured, sum(it.numel for it in g.items), self.size,
                                             int8=self.blocking_ok, link=self.link)
         if self.rehearsing and t.reply_collective:  # a mirror answers other shards' owners with this rank's reply

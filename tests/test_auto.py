@@ -467,6 +467,7 @@ def body_frontends_auto(port):
 
     import hvd_terngrad
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from hvd_terngrad.ddp.averages import OwnAverages
     from tests.test_ddp import _close_gloo, _init_gloo
 
     hvd_terngrad.auto.TRIAL_PAIRS = 0  # the plan untried: this is about the front ends, not timing
@@ -479,8 +480,9 @@ def body_frontends_auto(port):
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = TernGradState(model.named_parameters(), **opts)
     ddp.register_comm_hook(state, terngrad_hook)
-    averaged_now, average_now = [], TernGradState._average_now
-    TernGradState._average_now = lambda self, bucket: averaged_now.append(bucket.index()) or average_now(self, bucket)
+    averaged_now, average_now = [], OwnAverages.start
+    OwnAverages.start = lambda self, owner, bucket: averaged_now.append(bucket.index()) or average_now(self, owner,
+                                                                                                       bucket)
     ref = G.Net()
     tg = hvd_terngrad.TernGrad(**opts)
     stock = G.Net()
@@ -558,10 +560,11 @@ def body_hook_uncoded_is_ddps_own(port, wire):
     gradient is DDP's bits (in bf16: those of torch's bf16_compress_hook), whether the hook's C++ path averaged it,
     and the bytes it sent; then whether the state outlived its DDP model."""
     import hvd_terngrad.ddp as ddp
+    import hvd_terngrad.ddp.native as native
     from tests.test_ddp import _close_gloo
 
     auto.TRIAL_PAIRS = 0
-    ddp.NATIVE_WIRES = (wire, *(w for w in ddp.NATIVE_WIRES if w != wire))  # the first: the plan put in force
+    native.NATIVE_WIRES = (wire, *(w for w in native.NATIVE_WIRES if w != wire))  # the first: the plan put in force
     state, train = _beside_ddps_own(port, own_hook=ddp.bf16_hook if wire == "bf16" else None)
     out = []
     for step in range(PLAN_STEP + 4):
@@ -704,7 +707,9 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
     import time
 
     import hvd_terngrad.ddp
+    import hvd_terngrad.ddp.native
     from hvd_terngrad.ddp import TernGradState
+    from hvd_terngrad.ddp.averages import OwnAverages
     from tests.test_ddp import _close_gloo, _init_gloo
 
     hvd_terngrad.auto.TRIAL_PAIRS = 0
@@ -716,7 +721,7 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
     if layout == "bf16_last_slow":
         _slow_average_callbacks(0.3, 0.1)
     if layout.endswith("_bf16"):
-        hvd_terngrad.ddp.NATIVE_WIRES = ("bf16", "fp32")
+        hvd_terngrad.ddp.native.NATIVE_WIRES = ("bf16", "fp32")
     model = G.Net() if not bf16 else _WithBf16Scale()
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01 if "buckets" in layout else 25)
     state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0, timeout_s=5,
@@ -734,14 +739,14 @@ def body_ddp_uncoded_faults(port, fault, late_s=0.0, layout="buckets", native=Fa
     if late_s and rank == 1 and native:  # the last bucket's gradient comes late_s late on rank 1
         model.body[0].weight.register_hook(lambda g: time.sleep(late_s) or g if at[0] == PLAN_STEP + 1 else g)
     elif late_s and rank == 1:  # the NaN step's later buckets start late on rank 1
-        average_now = TernGradState._average_now
+        average_now = OwnAverages.start
 
-        def late(self, bucket):
-            if self.pipeline.step == PLAN_STEP + 1 and bucket.index() > 0:
+        def late(self, owner, bucket):
+            if owner.pipeline.step == PLAN_STEP + 1 and bucket.index() > 0:
                 time.sleep(late_s)
-            return average_now(self, bucket)
+            return average_now(self, owner, bucket)
 
-        TernGradState._average_now = late
+        OwnAverages.start = late
     out = None if fault != "propagate" else []
     for step in range(PLAN_STEP + 3):
         at[0] = step
@@ -777,8 +782,9 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
     import time
 
     import hvd_terngrad.ddp as ddp
+    import hvd_terngrad.ddp.averages as averages
 
-    check, hook = ddp._finite_average, ddp.terngrad_hook
+    check, hook = averages._finite_average, ddp.terngrad_hook
 
     def slow_check(markers, buf):
         if threading.current_thread() is not threading.main_thread():  # gloo's callback thread
@@ -790,7 +796,7 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
             time.sleep(bf16_hook_s)
         return hook(state, bucket)
 
-    ddp._finite_average, ddp.terngrad_hook = slow_check, late_hook
+    averages._finite_average, ddp.terngrad_hook = slow_check, late_hook
 
 
 @pytest.mark.mpi
@@ -896,6 +902,7 @@ def body_cpp_failed_step(port):
     rank, bucket 0's average is not finite and the step's last allreduce fails. What each step's backward
     raised (None where it trained)."""
     import hvd_terngrad.ddp as ddp_mod
+    from hvd_terngrad.ddp.averages import sendable
     from tests.test_ddp import _close_gloo, _init_gloo
 
     auto.TRIAL_PAIRS = 0
@@ -912,7 +919,7 @@ def body_cpp_failed_step(port):
         if step == bad:  # the C++ path's allreduces go to the failing group from here on
             assert state.native
             scale = state.pipeline.coder.codec.impl(model.body[4].weight.detach()).scale_kernel()
-            state._native.control.enable(group, 1, scale, ddp_mod._sendable(1), state.pipeline.step, False, False,
+            state._native.control.enable(group, 1, scale, sendable(1), state.pipeline.step, False, False,
                                          False)
             group.fail_at = len(state._native.named)  # the step's last bucket
         try:

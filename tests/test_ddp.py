@@ -425,9 +425,9 @@ def test_a_nan_gradient_under_ddp_raises_on_every_rank_naming_tensor_and_rank(gr
 
 
 def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
-    from hvd_terngrad.ddp import _Serial
+    from hvd_terngrad.ddp.serial import Serial
 
-    serial = _Serial("test")
+    serial = Serial("test")
     assert serial.submit(lambda: torch.ones(2)).wait().tolist() == [1.0, 1.0]
     chained = torch.futures.Future()
     fut = serial.submit(lambda: chained)  # another hook's future: waited for before the next bucket
@@ -442,7 +442,7 @@ def test_in_launch_order_raises_the_wrapped_hooks_error_where_ddp_waits():
 
 
 def test_the_worker_holds_an_error_every_rank_raises_until_the_steps_last_group_has_run():
-    from hvd_terngrad.ddp import _Serial
+    from hvd_terngrad.ddp.serial import Serial
     from hvd_terngrad.errors import CollectiveTimeoutError, NonFiniteGradientError
 
     def fails(error):
@@ -450,7 +450,7 @@ def test_the_worker_holds_an_error_every_rank_raises_until_the_steps_last_group_
             raise error
         return run
 
-    serial = _Serial("test")
+    serial = Serial("test")
     assert not serial._open
     bad, later, timed_out = torch.futures.Future(), torch.futures.Future(), torch.futures.Future()
     serial.submit_into(fails(NonFiniteGradientError("nan in 'w'")), [bad], last=False)
@@ -521,7 +521,7 @@ def test_without_its_cpp_path_register_warns_once_and_registers_the_python_hook(
     import hvd_terngrad
     import hvd_terngrad.ddp as ddp
 
-    monkeypatch.setattr(ddp, "_NATIVE", None)
+    monkeypatch.setattr(ddp.native, "_NATIVE", None)
     monkeypatch.delattr(hvd_terngrad, "_ddp_hook", raising=False)
     monkeypatch.setitem(sys.modules, "hvd_terngrad._ddp_hook", None)  # import fails
 

@@ -66,14 +66,14 @@ def body_mixed_dtypes(port, cases, steps, bf16, skew=False):
     on the two ranks every step, not at a random one."""
     import time
 
-    import hvd_terngrad.ddp as ddp_mod
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
+    from hvd_terngrad.ddp.exchanges import Exchanges
 
     rank = _init_gloo(port)
     torch.set_num_threads(1)
     if skew and rank == 1:
-        finish = ddp_mod._Exchanges.finish
-        ddp_mod._Exchanges.finish = lambda self, jobs: time.sleep(0.02) or finish(self, jobs)
+        finish = Exchanges.finish
+        Exchanges.finish = lambda self, jobs: time.sleep(0.02) or finish(self, jobs)
     out = {}
     for options, how in cases:
         model = _Mixed(bf16)
@@ -389,11 +389,11 @@ def body_names(port):
 
 
 def test_the_hook_names_its_cpp_path_only_where_it_runs_and_says_how_to_checkpoint():
-    from hvd_terngrad.ddp import _native_module
+    from hvd_terngrad.ddp.native import native_module
 
     out = run_ranks("tests.test_ddp_hardening:body_names", np=2, timeout=90, args=(29855,))[0]
     assert out["allgather"] == "terngrad_hook"
-    assert out["auto"] == ("hvd_terngrad.ddp.terngrad_hook (C++ path)" if _native_module() else "terngrad_hook")
+    assert out["auto"] == ("hvd_terngrad.ddp.terngrad_hook (C++ path)" if native_module() else "terngrad_hook")
     assert "state_dict()" in out["pickle"] and "load_state_dict()" in out["pickle"]
 
 

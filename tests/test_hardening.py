@@ -243,9 +243,9 @@ def test_a_marked_sum_tells_every_rank_whose_tensor_was_non_finite():
 @pytest.mark.parametrize("size", [2, 3, 8])
 def test_where_no_rank_sends_beyond_the_limit_the_marker_positions_tell_a_non_finite_average(size):
     """The DDP hook's own fp32 average checks only finite.marker_positions: with every rank's values within
-    ddp._sendable(size), or marked, a sum (here in every rank order) is non-finite exactly where a rank marked a
+    ddp.averages.sendable(size), or marked, a sum (here in every rank order) is non-finite exactly where a rank marked a
     tensor, and its marker positions show it, values at the limit and tensors smaller than the world included."""
-    from hvd_terngrad.ddp import _sendable
+    from hvd_terngrad.ddp.averages import sendable as _sendable
     from hvd_terngrad.finite import absmax, mark, marker_positions, nonfinite
 
     limit, g = _sendable(size), torch.Generator().manual_seed(size)

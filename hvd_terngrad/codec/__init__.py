@@ -370,7 +370,7 @@ class Codec:
                     raise ValueError("outs must hold a tensor of each size (or None), on the average's device")
         return self.impl(h).from_halves(h, sizes, scales, outs, only_finite) if sizes else []
 
-    # The fp32 wire of the DDP hook's own average (hvd_terngrad.ddp._OwnAverages).
+    # The fp32 wire of the DDP hook's own average (hvd_terngrad.ddp.averages.OwnAverages).
     def scale(self, x: torch.Tensor, factor: float) -> float:
         """x *= factor in place (factor rounded to fp32, as torch's x.mul_(factor)), and the largest |x| after
         (NaN where x holds a NaN): one pass on the CPU backend, where torch takes two."""

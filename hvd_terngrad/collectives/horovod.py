@@ -133,16 +133,27 @@ class HorovodCollectives:
             raise err[0]
         return values
 
+    def int8_refusal(self) -> str | None:
+        """Why the int8 Sum cannot run here, or None where it can: transport="summed-int8" raises it as a
+        ValueError, and transport="auto" considers the int8 sums only where there is none (session.Session)."""
+        if self.process_set is not hvd.global_process_set:
+            return "transport='summed-int8' works on the global process set only"
+        if not hvd.mpi_enabled():
+            return "transport='summed-int8' needs Horovod running on MPI (not Gloo)"
+        try:
+            MPI = _mpi()
+        except ImportError:
+            return "transport='summed-int8' needs mpi4py"
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return "transport='summed-int8' needs MPI_THREAD_MULTIPLE (Horovod's thread also uses MPI)"
+        return None
+
     def _int8_comm(self):
         if self._comm is None:
-            if self.process_set is not hvd.global_process_set:
-                raise ValueError("transport='summed-int8' works on the global process set only")
-            if not hvd.mpi_enabled():
-                raise ValueError("transport='summed-int8' needs Horovod running on MPI (not Gloo)")
-            MPI = _mpi()
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                raise ValueError("transport='summed-int8' needs MPI_THREAD_MULTIPLE (Horovod's thread also uses MPI)")
-            self._comm = MPI.COMM_WORLD.Dup()
+            refusal = self.int8_refusal()
+            if refusal is not None:
+                raise ValueError(refusal)
+            self._comm = _mpi().COMM_WORLD.Dup()
         return self._comm
 
     def timeout_message(self, what: str) -> str:
