@@ -79,3 +79,62 @@ def test_the_results_index_is_current():
     from benchmarks import results_index
 
     assert results_index.main(["--check"]) == 0, "python -m benchmarks.results_index"
+
+
+def test_the_module_map_is_the_codes():
+    """docs/architecture.md's module map is what scripts/module_map.py draws from the code, and the rules the page
+    states hold: no front end imports another; the pipeline names no Collectives implementation but the mirror."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("module_map", ROOT / "scripts" / "module_map.py")
+    module_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module_map)
+    assert module_map.table()[1] == []
+    assert module_map.main(["--check"]) == 0, "python scripts/module_map.py"
+
+
+NUMBERS = {w: i for i, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                                       "ten", "eleven", "twelve"))}
+
+
+def _count(word: str) -> int:
+    return int(word) if word.isdigit() else NUMBERS[word]
+
+
+def _protocol_methods(protocol) -> list[str]:
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+
+
+def test_the_constants_the_docs_quote_are_the_codes():
+    """Numbers the pages state about the code, read from the code: a wait's spin, the operations of the codec and
+    collectives protocols, and every default of README's options table (each TernGradConfig field has a row)."""
+    import ast
+    import dataclasses
+
+    from hvd_terngrad import collectives
+    from hvd_terngrad.codec import Backend
+    from hvd_terngrad.config import TernGradConfig
+
+    readme, arch = (ROOT / "README.md").read_text(), (ROOT / "docs" / "architecture.md").read_text()
+    spin = re.search(r"A wait yields the core for its first (\d+) ms", readme)
+    assert spin and int(spin[1]) == round(collectives._SPIN_S * 1000)
+    ops = re.search(r"`codec\.Backend`\s+\((\w+) operations", arch)
+    assert ops and _count(ops[1]) == len(_protocol_methods(Backend))
+    ops = re.search(r"`collectives\.Collectives`\s+\((\w+)\s+non-blocking operations, `poll`, and a `wait`", arch)
+    assert ops and _count(ops[1]) == len([m for m in _protocol_methods(collectives.Collectives) if m.endswith("_async")
+                                          or m.endswith("_async_")])
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", readme, flags=re.M))
+    wrong = []
+    for f in dataclasses.fields(TernGradConfig):
+        assert f.name in rows, f"README's options table has no row for {f.name}"
+        cell = rows[f.name].split(":")[0].strip()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        try:
+            quoted = ast.literal_eval(cell)
+        except (ValueError, SyntaxError):  # prose ("torch's"): it says what None means
+            if default is not None:
+                wrong.append(f"{f.name}: README says {cell!r}, the default is {default!r}")
+            continue
+        if quoted != default:
+            wrong.append(f"{f.name}: README says {cell!r}, the default is {default!r}")
+    assert not wrong, wrong
