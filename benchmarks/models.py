@@ -13,13 +13,10 @@ parameters divide under TernGrad's default policy. No Horovod: the performance m
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from hvd_terngrad import TernGradConfig
 
 INPUT_SHAPE = (3, 32, 32)  # CIFAR-sized images
 NUM_CLASSES = 10
@@ -159,25 +156,3 @@ def param_sizes(name: str) -> list[tuple[str, int]]:
     return [(n, p.numel()) for n, p in build(name).named_parameters()]
 
 
-@dataclass(frozen=True)
-class Split:
-    """How a model's gradient divides under TernGrad's default policy."""
-
-    coded: int  # elements TernGrad codes
-    tensors: int  # coded tensors
-    floats: int  # elements that pass through in float
-
-    @property
-    def total(self) -> int:
-        return self.coded + self.floats
-
-
-def split_of(model: nn.Module) -> Split:
-    cfg = TernGradConfig()
-    coded = tensors = floats = 0
-    for name, p in model.named_parameters():
-        if cfg.compresses(name, p.numel()):
-            coded, tensors = coded + p.numel(), tensors + 1
-        else:
-            floats += p.numel()
-    return Split(coded, tensors, floats)

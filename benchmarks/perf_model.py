@@ -29,13 +29,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.models import Split, build, split_of, synthetic_batch
+from benchmarks.models import build, synthetic_batch
 from benchmarks.timeline import Host, host_step_seconds
 from hvd_terngrad.auto import plan
-from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
-from hvd_terngrad.methods import parse_method
-from hvd_terngrad.transports import TRANSPORTS
-from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
+from hvd_terngrad.commcost import Link
+from hvd_terngrad.methods import Split, comm_seconds, parse_method, split_of
 
 
 @dataclass(frozen=True)
@@ -51,41 +49,6 @@ class Codec:
         # and every rank decodes the owners' replies once
         dec = b / self.decode4_Bps * (1.0 if sharded else (16 + n) / 20)
         return b / self.moments_Bps + b / self.encode_Bps + dec
-
-
-def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Link] | None = None) -> float:
-    """Communication per step. hier = (GPUs per node, intra-node link): reduce inside nodes over the fast
-    link, exchange between nodes over `link`, broadcast back inside nodes."""
-    if n <= 1:
-        return 0.0
-    g, intra = hier if hier else (1, link)
-    g = min(g, n)
-    m = max(1, n // g)  # nodes
-    if method in ("fp32", "fp16"):
-        width = 4 if method == "fp32" else 2
-        inside = 2 * allreduce_time(width * s.total, g, intra) if g > 1 else 0.0
-        return inside + allreduce_time(width * s.total, m, link)
-    floats = allreduce_time(4 * s.floats, n, link) if s.floats else 0.0
-    scalers = allreduce_time(SCALER_ENTRY_BYTES * s.tensors, n, link)
-    if method == "terngrad":  # allgather: nodes exchange the codes of all their GPUs
-        inside = allgather_time(s.coded / 4, g, intra) if g > 1 else 0.0
-        return inside + allgather_time(g * (s.coded / 4 + HEADER_SIZE * s.tensors), m, link) + scalers + floats
-    if method in ("terngrad:summed", "terngrad:summed-int8"):
-        width = 2 if method == "terngrad:summed" else 1
-        inside = 2 * allreduce_time(width * s.coded, g, intra) if g > 1 else 0.0
-        return inside + allreduce_time(width * s.coded, m, link) + scalers + floats
-    transport, _, mode = method.partition(":")[2].partition(":")
-    if transport in ("sharded", "sharded-ternary") and mode in ("", "hier"):
-        t = TRANSPORTS[transport]
-        if mode == "hier" and g > 1:  # float average inside nodes, the transport between nodes, broadcast back
-            # (hvd_terngrad/hierarchy.py; which local rank codes a bucket does not change a node's bytes)
-            return (2 * allreduce_time(4 * s.total, g, intra) + t.seconds(s.coded, m, link)
-                    + allreduce_time(SCALER_ENTRY_BYTES * s.tensors, m, link)
-                    + (allreduce_time(4 * s.floats, m, link) if s.floats else 0.0))
-        # flat: every GPU a shard owner; a node's GPUs share its link (in one node, the fast one)
-        shared = intra if m == 1 else Link(link.bandwidth / g, link.latency)
-        return t.seconds(s.coded, n, shared) + scalers + floats
-    raise ValueError(f"unknown method {method!r}")
 
 
 # transport="auto" in the model: the coded gradient as one group, as the model sends every other method, coded

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cluster import init_gloo
+from hvd_terngrad.methods import target_from
 
 METHODS = ("local", "ddp:fp32", "fp32", "fp16", "ddp:bf16", "ddp:powersgd", "ddp:powersgd4", "terngrad",
            "terngrad:noclip:ef:block64", "terngrad:sharded-ternary", "terngrad:sharded-ternary:noclip:ef:block64",
@@ -132,12 +133,6 @@ def _lower_is_better(task: str) -> bool:
     from benchmarks.fidelity_suite import TASKS
 
     return TASKS[task].metric != "acc"
-
-
-def target_from(fp32: float, lower_is_better: bool = False) -> float:
-    """What counts as FP32's quality: its metric less 0.5 pp (accuracy, %), or plus 1% (bits per character).
-    The main job (examples/train_digits.py) uses the same rule."""
-    return fp32 * 1.01 if lower_is_better else fp32 - 0.5
 
 
 def target(runs: list[dict], task: str, profile: str) -> float | None:

@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.models import build, split_of
+from benchmarks.models import build
 from hvd_terngrad.commcost import Link, allreduce_bytes, allreduce_time
-from hvd_terngrad.methods import parse_method
+from hvd_terngrad.methods import parse_method, split_of
 from hvd_terngrad.transports import TRANSPORTS, choose_transport
 from hvd_terngrad.wire import SCALER_ENTRY_BYTES
 

@@ -26,12 +26,9 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-from benchmarks.models import split_of
-from benchmarks.perf_model import comm_seconds
-from benchmarks.time_to_accuracy import target_from
 from examples.digits import WideDigitsNet, accuracy, load_data
 from hvd_terngrad.commcost import Link
-from hvd_terngrad.methods import build_optimizer, parse_method
+from hvd_terngrad.methods import build_optimizer, comm_seconds, parse_method, split_of, target_from
 
 
 def dense_bytes(model) -> int:
@@ -108,7 +105,7 @@ def time_to_fp32(results: list[dict]) -> tuple[float | None, dict]:
 
 
 def link_ms(method: str, size: int) -> float:
-    """One step's exchange on 1 Gbit/s Ethernet by the cost model (benchmarks/perf_model.comm_seconds), with no
+    """One step's exchange on 1 Gbit/s Ethernet by the cost model (hvd_terngrad.methods.comm_seconds), with no
     overlap: shown beside a run on localhost, where the link is free. auto is taken as the allgather."""
     how = parse_method(method)
     name = how.compression if how.compression != "terngrad" or how.transport in ("allgather", "auto") \

@@ -1,5 +1,5 @@
-"""One vocabulary for how gradients travel, used by the main job and every benchmark: a method name and the
-optimizer it builds.
+"""One vocabulary for how gradients travel, used by the main job and every benchmark: a method name, the
+optimizer it builds, and what its exchange costs on a link by commcost's formulas (comm_seconds).
 
     local                    no gradient exchange: each worker steps on its own gradients. Not a way to
                              train; the throughput ceiling of every method on the same cluster
@@ -29,7 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_terngrad.codec import check_block_size
-from hvd_terngrad.config import TRANSPORTS
+from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
+from hvd_terngrad.config import TRANSPORTS, TernGradConfig
+from hvd_terngrad.transports import TRANSPORTS as TRANSPORT_TABLE
+from hvd_terngrad.wire import HEADER_SIZE, SCALER_ENTRY_BYTES
 
 COMPRESSIONS = ("local", "fp32", "fp16", "terngrad")
 # PowerSGD allreduces plainly over this share of a training's steps first, as torch's documentation advises
@@ -191,3 +194,71 @@ class _Lockstep:
 
         self.base.step()
         hvd.allreduce(torch.zeros(1), name="local.lockstep", op=hvd.Sum)
+
+
+def target_from(fp32: float, lower_is_better: bool = False) -> float:
+    """What counts as FP32's quality: its metric less 0.5 pp (accuracy, %), or plus 1% (bits per character).
+    The time-to-accuracy benchmark's target and the main job's (examples/train_digits.py)."""
+    return fp32 * 1.01 if lower_is_better else fp32 - 0.5
+
+
+# ------------------------------------------------------------------------------------------
+# What a method's exchange costs: the performance model's (benchmarks/perf_model.py) and the main job's estimate
+@dataclass(frozen=True)
+class Split:
+    """How a model's gradient divides under TernGrad's default policy."""
+
+    coded: int  # elements TernGrad codes
+    tensors: int  # coded tensors
+    floats: int  # elements that pass through in float
+
+    @property
+    def total(self) -> int:
+        return self.coded + self.floats
+
+
+def split_of(model) -> Split:
+    """A model's gradient under TernGrad's default policy (TernGradConfig().compresses)."""
+    cfg = TernGradConfig()
+    coded = tensors = floats = 0
+    for name, p in model.named_parameters():
+        if cfg.compresses(name, p.numel()):
+            coded, tensors = coded + p.numel(), tensors + 1
+        else:
+            floats += p.numel()
+    return Split(coded, tensors, floats)
+
+
+def comm_seconds(method: str, s: Split, n: int, link: Link, hier: tuple[int, Link] | None = None) -> float:
+    """Communication per step. hier = (GPUs per node, intra-node link): reduce inside nodes over the fast
+    link, exchange between nodes over `link`, broadcast back inside nodes."""
+    if n <= 1:
+        return 0.0
+    g, intra = hier if hier else (1, link)
+    g = min(g, n)
+    m = max(1, n // g)  # nodes
+    if method in ("fp32", "fp16"):
+        width = 4 if method == "fp32" else 2
+        inside = 2 * allreduce_time(width * s.total, g, intra) if g > 1 else 0.0
+        return inside + allreduce_time(width * s.total, m, link)
+    floats = allreduce_time(4 * s.floats, n, link) if s.floats else 0.0
+    scalers = allreduce_time(SCALER_ENTRY_BYTES * s.tensors, n, link)
+    if method == "terngrad":  # allgather: nodes exchange the codes of all their GPUs
+        inside = allgather_time(s.coded / 4, g, intra) if g > 1 else 0.0
+        return inside + allgather_time(g * (s.coded / 4 + HEADER_SIZE * s.tensors), m, link) + scalers + floats
+    if method in ("terngrad:summed", "terngrad:summed-int8"):
+        width = 2 if method == "terngrad:summed" else 1
+        inside = 2 * allreduce_time(width * s.coded, g, intra) if g > 1 else 0.0
+        return inside + allreduce_time(width * s.coded, m, link) + scalers + floats
+    transport, _, mode = method.partition(":")[2].partition(":")
+    if transport in ("sharded", "sharded-ternary") and mode in ("", "hier"):
+        t = TRANSPORT_TABLE[transport]
+        if mode == "hier" and g > 1:  # float average inside nodes, the transport between nodes, broadcast back
+            # (hvd_terngrad/hierarchy.py; which local rank codes a bucket does not change a node's bytes)
+            return (2 * allreduce_time(4 * s.total, g, intra) + t.seconds(s.coded, m, link)
+                    + allreduce_time(SCALER_ENTRY_BYTES * s.tensors, m, link)
+                    + (allreduce_time(4 * s.floats, m, link) if s.floats else 0.0))
+        # flat: every GPU a shard owner; a node's GPUs share its link (in one node, the fast one)
+        shared = intra if m == 1 else Link(link.bandwidth / g, link.latency)
+        return t.seconds(s.coded, n, shared) + scalers + floats
+    raise ValueError(f"unknown method {method!r}")

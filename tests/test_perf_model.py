@@ -1,9 +1,9 @@
 """The performance model's arithmetic (benchmarks/perf_model.py, hvd_terngrad/commcost.py)."""
 import pytest
 
-from benchmarks.models import Split
-from benchmarks.perf_model import CLUSTERS, GPU_CODEC, PAPER_MODELS, comm_seconds, step_seconds
+from benchmarks.perf_model import CLUSTERS, GPU_CODEC, PAPER_MODELS, step_seconds
 from hvd_terngrad.commcost import Link, allgather_time, allreduce_time
+from hvd_terngrad.methods import Split, comm_seconds
 
 LINK = Link(bandwidth=100e6, latency=0.0)
 
