@@ -1,11 +1,9 @@
 """transport="auto", per group: code it, or send it uncoded (one average, in fp32 or in 16 bits), whichever makes
-the step shorter: the cost model chooses what to try, and a timed trial chooses what to keep.
+the step shorter. The cost model chooses what to try (plan), a timed trial chooses what to keep (Trial), AutoPlan
+runs the steps, and the pipeline fixes each step's StepPlan from it (pipeline.StepPlan) for the front ends to ask.
+Why each part is built so, with the measurements: docs/notes/auto.md.
 
-Coding a group costs codec time on every rank and saves link time. Saved link time buys nothing where the
-group's float average would have hidden behind backward anyway. On a fast link (InfiniBand, the emulated
-`fast` profile), coding is then pure cost, and TernGrad was slower than FP32 there (measured and modelled:
-docs/transports.md, "Auto: FP32 where coding does not pay"). So auto plans, per group g (commcost's formulas on the
-configured link, TernGradConfig.link()):
+The model, per group g, with commcost's formulas on the configured link (TernGradConfig.link()):
 
     uncoded_g   an fp32 ring allreduce of the group
     coded_g     the cheapest transport's seconds (transports.choose_transport) plus its scaler allreduce
@@ -18,64 +16,20 @@ group uncoded where FP32's average hides, so as far as the model goes never slow
 coded cost is not below their uncoded cost are never coded. The performance model's extrapolation
 (benchmarks/perf_model.py) applies the same `plan`.
 
-Measuring and agreeing (the steps: the docstrings of AutoPlan and Trial):
-- For PLAN_STEP steps every group travels in fp32, and each rank rehearses its coding on all but the last: the group
-  coded as it would be, over collectives that answer with this rank's own codes from every rank, its codes sent nowhere
-  (Pipeline.rehearse). What trains is then FP32: coded back to back from the first step, these steps cost NCF 1.2-3.4 pp
-  for a hundred steps, and its time to the target (measured: docs/notes/tta-log.md, "NCF's later hits under
-  `auto`"). On the steps after the first (which warms up allocations) each rank measures its codec seconds per element
-  (the rehearsals' encode and decode time over the elements coded) and its window (the first group ready to the last
-  group ready, less its own rehearsals in between where they ran on the same thread).
-- On the last of those steps each group's average goes with a Max allreduce of [seconds per element, -window,
-  w, -w], w naming the wires the front end offers, a bit each (AutoPlan.offer): every rank reads the slowest
-  codec, the shortest window and whether every rank offered the same wires, and makes the same plan.
-- The model leaves costs out: above all the CPU a byte costs on its way through the network stack, and the
-  front end's own copies. So the kinds of step are tried and timed: every group coded as the model says, and
-  each plan to try. They take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second round of a pair
-  in reverse order, and each rank times every step. A kind's steps then lie symmetrically about the trial's
-  middle, so a steady drift of the machine's speed (a job's first steps still warming up, a slow spell)
-  moves the median of every kind's steps alike, and a kind's step is that median, less its steps over PAUSE
-  times its fastest: a pause between two steps (an evaluation every few steps) or a spike lands on one step,
-  and is not the kind's speed. (The median of its three pair means did not stand up to them: lenet's
-  evaluation every 7 steps fell on the fp32 plan's steps in two pairs of three and made it 8-11x the fastest
-  kind; the median of all six did, but moved up to the upper steps of those left.) Tried in
-  blocks of steps instead, one kind after another, the kind tried later won far more often than its speed
-  warranted (measured: docs/notes/tta-log.md, "Auto's trial: the kinds take turns"). Each kind runs as
-  it would once kept: DDP's hook averages the fp32 and bf16 plans' steps on its C++ path (ddp.native.Native.steer);
-  timed on the Python hook, the fp32 plan lost by 0.4-2.8% to kinds the C++ path beats by more. A round runs the
-  coded kind first and the fp32 plan last, so that no fp32 step follows a coded one: with error feedback, the
-  step after a coded one first merges the coded step's residuals, a pass coding leaves to the next kind
-  (AutoPlan._try). A coded step then
-  carries every kind's step on each rank, with the spread of its steps, and every rank keeps the kind whose
-  slowest rank's step was the shortest; but not over the default kind unless clearly shorter (by MARGIN;
-  over the front end's preferred wires, also by CONFIDENCE standard errors at the noisiest rank's spread). The
-  default is the fastest kind on the model's side of coding (coding every group where the model does, else its
-  plan), or there the fastest plan in a wire the front end runs on a faster path (AutoPlan.prefer: the DDP
-  hook's C++ path, fp32 and bf16). Kinds closer than that the trial cannot tell apart, and the model, or the
-  front end, has judged that choice; the model has not judged the wire of its plan (fp32 or 16 bits: what a byte
-  costs against a pass), which the trial's fastest decides.
-- After the first pair of rounds a coded step carries each kind's faster step of that pair, and the kinds
-  slower than PRUNE times the fastest are tried no more: a kind far behind on both of its steps does not win
-  the median of three, and its turns cost time, and where it is coded, accuracy (NCF's coded kinds take
-  1.25-2.6 times its fastest kind's step: NCF's trial on a fast link codes 4 steps, not 7). The faster of
-  two steps, so that a pause between steps, which lands on one, prunes nothing. Where the default is among the
-  front end's preferred wires, a kind not ahead of the faster of them by MARGIN on that step is tried no more
-  either (AHEAD). Where one kind is left, it is kept there and then; where none is pruned, the pruning step is
-  one coded step more.
-- The plan is tried with its uncoded groups in fp32 and, as a second kind, in 16 bits (half the bytes for a
-  pass or two over each tensor: transports.uncoded), fp16 (WIRES, which every front end's collectives sum, each
-  tensor scaled so that nothing overflows or underflows unseen). Which pays depends on what a byte costs
-  against a pass, which the model does not know. But where every group is uncoded and the front end runs
-  that plan on a faster path (prefer), the plan is tried in that path's wires alone: the DDP hook's C++ path
-  averages in fp32 and bf16 (fp32's exponent range: no scale). Against that fp32 path the fp16 plan, in Python,
-  was kept on 2 seeds of 70 on `fast` (which then trained at 0.92x and 0.95x DDP FP32), and its turns cost
-  every trial time (docs/notes/tta-history.md, "The trial's fixed cost"); in bf16 there, lenet's step was 5%
-  shorter than DDP FP32's (docs/notes/tta-history.md, "The hook's bf16 plan on its C++ path").
-- Where the model codes every group anyway, the plan tried is every group uncoded (FP32 is the baseline auto
-  must not fall behind, and the model misjudges a small model's latency-bound steps), and before it, where
-  some group takes the sharded transport, every group coded with the allgather (the latency of the sharded
-  transport's second collective, all there is on a small group, is what the model knows least). Measured:
-  docs/notes/tta-log.md, "Auto on the emulated cluster".
+The steps:
+- 0 .. PLAN_STEP-1: every group in fp32. Each rank rehearses its coding on all but the last (Pipeline.rehearse)
+  and measures its codec seconds per element and its window; the last step's averages carry them in a Max
+  allreduce, with the wires each rank's front end offers (AutoPlan.offer), and every rank makes the same plan.
+- The trial: the kinds (every group coded as the model says; the plan with its uncoded groups in fp32, and in
+  16 bits; where every group is uncoded and the front end has a faster path for it, that path's wires alone:
+  AutoPlan.prefer) take turns, a step each, in TRIAL_PAIRS pairs of rounds, the second of a pair reversed, the
+  coded kind first. After the first pair the kinds slower than PRUNE times the fastest go, and where the default
+  is a preferred wire, those not AHEAD of it. At the verdict a kind's step is the median of its steps less those
+  over PAUSE times its fastest, and the default kind (the model's side of coding; there, a preferred wire) is
+  kept unless another is shorter by MARGIN and, against a preferred default, by CONFIDENCE standard errors of
+  the trial's noise. Where the model codes every group, the plan tried is every group uncoded, and before it,
+  where some group takes the sharded transport, every group on the allgather.
+- The verdict's plan holds from then on.
 The groups are known by their keys ("bucket.3", a tensor's name), the same on every rank; while a plan that
 leaves groups uncoded is in force, a group it has not seen goes uncoded too. Without a shared scaler
 (share_scaler=False) no scaler vector carries the verdict, and auto codes every group from the start.
@@ -93,49 +47,18 @@ from hvd_terngrad.transports.uncoded import FP32, UNCODED, WIRES
 PLAN_STEP = 4  # steps sent in fp32 and measured before the plan; the last of them carries the measurement
 TRIAL_PAIRS = 3  # pairs of rounds of the trial, a step of each kind (coded, each plan) a round
 MAX_TRIALS = 1 + len(WIRES)  # plans tried at most (AutoPlan._plan; a front end offers no more wires than WIRES)
-# A kind whose faster step of the first pair of rounds took more than PRUNE times the fastest kind's faster
-# step is tried no more: the trial's time goes to the kinds that can still win. In the trials recorded in
-# results/time_to_accuracy*/ (a kind's trial step over the fastest kind's), NCF's coded kinds
-# took 1.25-2.6x, most above 1.4x, and lenet's fp32 plan at 1 Gbit/s 1.4-2.5x; lenet's kinds on the fast link,
-# where any of them can win, mostly stayed within 1.3x. The faster step of two, not their mean: a pause between
-# two steps (an evaluation, a checkpoint) lands on one step of one kind, and made lenet's fp32 plan look 8-14x
-# the fastest over a pair's means. Each coded step in NCF's first hundred costs it accuracy
-# (docs/notes/tta-history.md, "The trial prunes slow kinds").
+# after the first pair, a kind whose faster step took more than PRUNE times the fastest kind's is tried no more
+# (docs/notes/auto.md, "PRUNE: the kinds far behind")
 PRUNE = 1.5
-# A kind's trial step leaves out its steps more than PAUSE times its fastest: a pause between two steps (an
-# evaluation, a checkpoint, a stall of the machine) is not the kind's speed. The median of six stood up to two
-# such steps, but moved up to the upper of the four left: lenet's evaluation every 7 steps falls on the fp32
-# plan's steps 7 and 14, and its trial put that plan 6-25% behind coding on the DDP hook, which then trained at
-# 0.94x DDP FP32 (docs/notes/tta-history.md, "The trial's verdict: pauses left out, the model's side on a tie").
+# a kind's trial step leaves out its steps over PAUSE times its fastest (docs/notes/auto.md, "PAUSE: a pause is
+# not a kind's speed")
 PAUSE = 2.0
-# A kind on the other side of coding from the model (coding every group where its plan leaves groups uncoded,
-# or a plan where it codes every group), or a wire other than those the front end runs fastest (prefer), is
-# kept only where its step is clearly shorter than the default kind's: shorter by more than MARGIN, and where the
-# default is in a wire the front end prefers, by more than CONFIDENCE standard errors of the difference of the two
-# kinds' medians, taken from the trial's own noise (_trial_noise). Six steps a kind do not tell closer kinds
-# apart on a shared machine: forced side by side for 400 steps each, the DDP hook's kinds on lenet at `fast`
-# stepped within 6% of each other (the fp32 plan fastest, coding 1-4% behind it), while its trial steps there
-# spread by 4-12% (sigma), and a fixed margin of 5% still let the trial keep coding or fp16 on half the seeds,
-# which then trained 6-7% slower than DDP FP32. That default is a measured fact about the front end (its C++
-# path), which six noisy steps should not overturn. The model's side is the model's judgement, which the trial
-# is there to check (it leaves out what a byte costs the CPU, and misjudges a small model's latency-bound
-# steps): against it, MARGIN alone. With CONFIDENCE there too, Horovod's noisy NCF trials at 1 Gbit/s kept
-# coding on 4 seeds of 10 where the fp16 plan stepped a quarter faster (docs/notes/tta-history.md, "NCF at 1
-# Gbit/s on fresh seeds"). A quiet machine's trial resolves a few percent, and there MARGIN alone applies. Where
-# the model has no side (between the wires of its plan: it does not know what a byte costs against a pass), and
-# the front end prefers both or neither, the trial's fastest is kept: a margin there cost Horovod's NCF on `fast` its
-# fp16 plan on 3 seeds of 10, where its own fp32 plan steps behind Horovod's FP32 (docs/notes/tta-history.md,
-# "The trial's noise").
+# a kind other than the default is kept only where its step is shorter by MARGIN and, against a preferred default,
+# by CONFIDENCE standard errors of the trial's noise (docs/notes/auto.md, "MARGIN and CONFIDENCE: clearly faster")
 MARGIN = 0.05
 CONFIDENCE = 2.0
-# Where the default is among the front end's preferred kinds (the DDP hook's C++ path, where the model codes
-# nothing), a kind whose faster step of the first pair was not shorter than AHEAD times the faster preferred kind's
-# is tried no more either: to be kept it must beat that kind by MARGIN and by CONFIDENCE standard errors of the
-# noise, which a kind not ahead by MARGIN even on its faster step of two seldom does. Its turns would cost time,
-# and being coded, they move the trajectory: on lenet at `fast` the hook's coded kind stepped within 0.71-1.65x
-# of its fp32 plan (verdict medians over 40 fresh seeds, 6 under 0.95x), was kept on one, and its trial's coded
-# steps moved 23 of the 40 hits to the target. With AHEAD, coding went after the first pair on 19 seeds of 20
-# (docs/notes/tta-history.md, "The trial drops a kind not ahead of the C++ path").
+# where the default is a preferred wire, a kind not ahead of it by AHEAD on its faster step of the first pair is
+# tried no more (docs/notes/auto.md, "AHEAD: ahead of the preferred path")
 AHEAD = 1 - MARGIN
 
 

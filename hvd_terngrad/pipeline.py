@@ -164,8 +164,8 @@ class Pipeline:
         """A group of auto's measured steps, coded here as it would travel, before its fp32 average: over
         MirrorCollectives, with the model's transport (the allgather where that has owners' replies, which a
         mirror answers with this rank's, another shard's codes) and error feedback of the rehearsal's own. Its
-        codes go nowhere, so what trains is FP32 (coded first steps dip NCF: the module docstring of
-        hvd_terngrad.auto). Auto learns the group's size, when it was ready and what coding it cost."""
+        codes go nowhere, so what trains is FP32 (coded first steps dip NCF: docs/notes/auto.md, "The measured
+        steps"). Auto learns the group's size, when it was ready and what coding it cost."""
         r = self.rehearsal
         if r is None:
             r = self.rehearsal = Pipeline(self.config, MirrorCollectives(self.rank, self.size), rehearsal=True,
