@@ -130,15 +130,15 @@ class TernGrad(Compressor):
     @property
     def stats(self):
         """StatsRecorder: .last is the last finished step (StepStats), .history the recent ones."""
-        return self._connected().stats
+        return self._connected().pipeline.stats
 
     def state_dict(self) -> dict:
         """This rank's TernGrad state for a checkpoint (Pipeline.state_dict): save it beside the model's and
         the optimizer's, one file a rank, and load_state_dict() it before the next step."""
-        return self._connected().state_dict()
+        return self._connected().pipeline.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._connected().load_state_dict(state)
+        self._connected().pipeline.load_state_dict(state)
 
     def _connected(self) -> Session:
         """The session, made without a collective: a property never starts one, so with hierarchical=True the

@@ -7,7 +7,7 @@ object, which binds a frozen configuration to the ranks it averages over, in the
 
     session = Session(config, world)                       # any Collectives
     session = Session.horovod(config, process_set=None)    # Horovod's
-    session.pipeline.start(...); session.plan; session.stats; session.state_dict()
+    session.pipeline.start(...); session.plan; session.pipeline.stats; session.pipeline.state_dict()
 
 With hierarchical=True the pipeline codes between the nodes, as this rank's node (hvd_terngrad.hierarchy), and
 `world` still carries what passes through uncoded.
@@ -22,7 +22,6 @@ from hvd_terngrad.pipeline import Pipeline, StepPlan
 if TYPE_CHECKING:
     from hvd_terngrad.collectives import Collectives
     from hvd_terngrad.hierarchy import Hierarchy
-    from hvd_terngrad.stats import StatsRecorder
 
 
 class Session:
@@ -87,16 +86,3 @@ class Session:
     def plan(self) -> StepPlan:
         """This step's plan: which groups are coded, with which transport, and the wire of the rest."""
         return self.pipeline.plan
-
-    @property
-    def stats(self) -> StatsRecorder:
-        """.last is the last finished step (StepStats), .history the recent ones."""
-        return self.pipeline.stats
-
-    def state_dict(self) -> dict:
-        """This rank's TernGrad state for a checkpoint (hvd_terngrad.checkpoint): its step and its residuals."""
-        return self.pipeline.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() saved, before the next step (checkpoint.load_state_dict's errors)."""
-        self.pipeline.load_state_dict(state)

@@ -91,10 +91,7 @@ def body_ddp_groups(port):
         pipe.start = _counting(pipe, groups)
         ddp.register_comm_hook(state, terngrad_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        for step in range(3):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, 3)
         out.append((G.digest(model.parameters()), groups))
         del ddp, state, pipe
     _close_gloo()
@@ -270,10 +267,7 @@ def body_ddp_options(port):
         state = TernGradState(model.named_parameters(), **G.COMMON, bucket_bytes=0, process_group=group)
         ddp.register_comm_hook(state, terngrad_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(6):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, 6)
         out[name] = G.digest(model.parameters())
         del ddp, state
     import hvd_terngrad.auto
@@ -287,10 +281,7 @@ def body_ddp_options(port):
         state = TernGradState(model.named_parameters(), **G.COMMON, transport="auto", link_gbps=1000.0)
         state.register(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(hvd_terngrad.auto.PLAN_STEP + 3):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, hvd_terngrad.auto.PLAN_STEP + 3)
         out[f"auto_{name}"] = (G.digest(model.parameters()), state.native)
         del ddp, state
     _close_gloo()
@@ -326,10 +317,7 @@ def body_ddp_join(port, transport):
     state.register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with ddp.join():
-        for step in range(7 if rank == 0 else 4):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, 7 if rank == 0 else 4)
     out = (G.digest(model.parameters()), state.pipeline.step, state.native)
     del ddp, state
     _close_gloo()
@@ -366,10 +354,7 @@ def body_powersgd(port):
                                                 min_compression_rate=0.5, random_seed=3)
             ddp.register_comm_hook(InLaunchOrder(powerSGD_hook.powerSGD_hook, state), in_launch_order)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(steps):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, steps)
         out[name, steps] = (G.digest(model.parameters()), len(state.p_memory_dict) if state else 0)
         del ddp, state
     _close_gloo()
@@ -482,10 +467,7 @@ def body_ddp_one_node(port):
             state = TernGradState(model.named_parameters(), min_numel=1, hierarchical=True)
             ddp.register_comm_hook(state, terngrad_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            G.loss(ddp, rank, step).backward()
-            opt.step()
+        G.run_steps(ddp, opt, rank, 3)
         out.append((G.digest(model.parameters()), None if state is None else
                     (state.pipeline.size, state.hierarchy.cross is None, state.stats.last.tensors_coded)))
         del ddp, state

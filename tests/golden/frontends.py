@@ -84,13 +84,17 @@ def digest(params) -> list[str]:
     return [hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()[:32] for p in params]
 
 
-def train(make_optimizer, rank: int) -> list[torch.Tensor]:
-    model = Net()
-    opt = make_optimizer(model)
-    for step in range(STEPS):
+def run_steps(model, opt, rank: int, steps: int) -> None:
+    """`steps` training steps of `model` (a DDP model too) on this rank's batches (loss)."""
+    for step in range(steps):
         opt.zero_grad()
         loss(model, rank, step).backward()
         opt.step()
+
+
+def train(make_optimizer, rank: int) -> list[torch.Tensor]:
+    model = Net()
+    run_steps(model, make_optimizer(model), rank, STEPS)
     return [p.detach().clone() for p in model.parameters()]
 
 
