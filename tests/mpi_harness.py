@@ -20,6 +20,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,14 @@ class RankFailure(AssertionError):
 
 class RankTimeout(AssertionError):
     pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, for a job's rendezvous (its rank 0 binds it moments later):
+    jobs side by side (pytest's workers) never meet on one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 3000) -> str:

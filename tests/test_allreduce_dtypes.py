@@ -4,7 +4,7 @@ import contextlib
 import io
 import re
 
-from tests.mpi_harness import run_ranks
+from tests.mpi_harness import free_port, run_ranks
 
 
 def body_allreduce_dtypes(port: int) -> str:
@@ -19,7 +19,8 @@ def body_allreduce_dtypes(port: int) -> str:
 def test_every_library_and_dtype_is_timed_in_each_round():
     from benchmarks.allreduce_dtypes import KINDS
 
-    first, second = run_ranks("tests.test_allreduce_dtypes:body_allreduce_dtypes", np=2, timeout=120, args=(29771,))
+    first, second = run_ranks("tests.test_allreduce_dtypes:body_allreduce_dtypes", np=2, timeout=120,
+                              args=(free_port(),))
     assert second == ""  # rank 0 alone reports
     assert first.startswith("allreduce of 1,000 values on 2 ranks, median ms of 3, by round:")
     rows = first.splitlines()[1:]

@@ -13,7 +13,7 @@ from hvd_terngrad.config import TernGradConfig
 from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.pipeline import Pipeline, exchange
 from tests.golden import frontends as G
-from tests.mpi_harness import run_ranks, run_ranks_failing
+from tests.mpi_harness import free_port, run_ranks, run_ranks_failing
 
 
 def test_the_plan_codes_nothing_where_the_float_average_hides_behind_backward():
@@ -509,7 +509,7 @@ def body_frontends_auto(port):
 
 @pytest.mark.mpi
 def test_every_front_end_sends_float_averages_where_auto_says_coding_does_not_pay():
-    res = run_ranks("tests.test_auto:body_frontends_auto", np=2, timeout=240, args=(29691,))
+    res = run_ranks("tests.test_auto:body_frontends_auto", np=2, timeout=240, args=(free_port(),))
     for digests, plans, floats in res:
         assert plans == [set(), set(), set()]
         assert all(f > 0 for f in floats)
@@ -587,15 +587,15 @@ def body_hook_uncoded_is_ddps_own(port, wire):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("wire,np,port", [("fp32", 3, 29687), ("bf16", 2, 29689)])
-def test_the_hooks_own_uncoded_average_is_ddps_own_to_the_bit(wire, np, port):
+@pytest.mark.parametrize("wire,np", [("fp32", 3), ("bf16", 2)])
+def test_the_hooks_own_uncoded_average_is_ddps_own_to_the_bit(wire, np):
     """fp32 over three ranks, where x * (1/3) and x / 3 differ: the hook scales each bucket before the sum as DDP's
     reducer does, in C++ from the plan's first step (its byte counts too: uncoded), and in Python again for the
     step after a resume (load_state_dict). bf16 over two: torch's bf16_compress_hook's bits (which rounds, then
     divides; the same where N is a power of two), from the C++ path and from the pipeline's bf16 average in Python,
     at half the bytes."""
     _needs_cpp_hook()
-    for out in run_ranks("tests.test_auto:body_hook_uncoded_is_ddps_own", np=np, timeout=120, args=(port, wire)):
+    for out in run_ranks("tests.test_auto:body_hook_uncoded_is_ddps_own", np=np, timeout=120, args=(free_port(), wire)):
         assert [uncoded for uncoded, _, _, _ in out] == [True] * (PLAN_STEP + 4)  # fp32 while measuring too
         # the measured steps' average (the pipeline's in fp32, divided after the sum) rounds otherwise
         assert [same for _, same, _, _ in out] == [False] * PLAN_STEP + [True] * 4
@@ -637,11 +637,11 @@ def body_trial_with_cpp(port, error_feedback, prune, link_gbps):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("error_feedback,prune,link_gbps,port",
-                         [(False, float("inf"), 1e-3, 29787), (True, float("inf"), 1e-3, 29789),
-                          (True, 1.0, 1e-3, 29791), (False, float("inf"), 1000.0, 29793)],
+@pytest.mark.parametrize("error_feedback,prune,link_gbps",
+                         [(False, float("inf"), 1e-3), (True, float("inf"), 1e-3), (True, 1.0, 1e-3),
+                          (False, float("inf"), 1000.0)],
                          ids=["plain", "ef", "ef-one-left", "fast-link"])
-def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error_feedback, prune, link_gbps, port):
+def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error_feedback, prune, link_gbps):
     """The trial times each kind as it would run once kept: the fp32 and bf16 plans' steps on the C++ path (each
     ended once it has completed, as the Python kinds' steps are), the coded steps in Python. Timed in Python,
     the fp32 plan carried the Python hook's 5-8% against the C++ path it would run on, and lost to fp16 or to
@@ -654,7 +654,7 @@ def test_auto_trials_its_plans_on_the_cpp_path_they_would_run_on_once_kept(error
     tried is every bucket uncoded in the wires of the C++ path."""
     _needs_cpp_hook()
     res = run_ranks("tests.test_auto:body_trial_with_cpp", np=2, timeout=120,
-                    args=(port, error_feedback, prune, link_gbps))
+                    args=(free_port(), error_feedback, prune, link_gbps))
     assert res[0] == res[1]  # the same kinds, paths, bits and verdict on both ranks
     out, (trials, counts, kept, verdict, prefer) = res[0]
     assert prefer == ("fp32", "bf16")  # the wires this path runs
@@ -800,14 +800,12 @@ def _slow_average_callbacks(callback_s: float, bf16_hook_s: float) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,late_s,layout,native", [
-    (29693, 0.0, "buckets", False), (29699, 2.0, "buckets", False), (29701, 0.0, "one_bucket", False),
-    (29703, 0.0, "bf16_last", False), (29709, 0.0, "bf16_last_slow", False),
-    (29773, 2.0, "buckets", True), (29795, 2.0, "buckets_bf16", True)],
+@pytest.mark.parametrize("late_s,layout,native", [
+    (0.0, "buckets", False), (2.0, "buckets", False), (0.0, "one_bucket", False), (0.0, "bf16_last", False),
+    (0.0, "bf16_last_slow", False), (2.0, "buckets", True), (2.0, "buckets_bf16", True)],
     ids=["together", "late_rank", "one_bucket", "bf16_last", "bf16_last_slow_callback", "late_rank_cpp",
          "late_rank_cpp_bf16"])
-def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(port, late_s, layout,
-                                                                                            native):
+def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_every_rank(late_s, layout, native):
     """The error leaves with the step's last bucket, whichever way that went. late_rank: raised from the first,
     it let rank 0 tear its group down under rank 1's later allreduces, and rank 1 aborted ("Resource deadlock
     avoided", 6 runs of 10). bf16_last_slow_callback: the last bucket waited for the earlier allreduce, not for
@@ -818,7 +816,7 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
     if native:
         _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(port, "nan", late_s, layout, native))
+                        args=(free_port(), "nan", late_s, layout, native))
     assert None not in results, f"a rank trained through the NaN step without raising: {results}"
     for step, message in results:
         assert step == PLAN_STEP + 1
@@ -828,9 +826,9 @@ def test_the_hooks_own_uncoded_average_names_a_nan_gradients_tensor_and_rank_on_
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,native,layout", [(29685, False, "huge"), (29777, True, "huge"),
-                                                (29797, True, "huge_bf16")], ids=["python", "cpp", "cpp_bf16"])
-def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank(port, native, layout):
+@pytest.mark.parametrize("native,layout", [(False, "huge"), (True, "huge"), (True, "huge_bf16")],
+                         ids=["python", "cpp", "cpp_bf16"])
+def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank(native, layout):
     """The hook's own fp32 average reads only where a marker can be, which holds because no rank sends a value
     whose sum could overflow: one beyond half of fp32's largest is marked as an overflow, and raised on every
     rank with its tensor and rank, though the rest of the average would have been finite. cpp: the hook's C++
@@ -838,7 +836,7 @@ def test_a_finite_gradient_near_fp32s_largest_is_an_overflow_named_on_every_rank
     if native:
         _needs_cpp_hook()
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(port, "nan", 0.0, layout, native))
+                        args=(free_port(), "nan", 0.0, layout, native))
     for step, message in results:
         assert step == PLAN_STEP + 1
         assert "gradient in 'body.4.weight' on rank 1 at step" in message and "beyond ±1.7e+38" in message, message
@@ -849,7 +847,7 @@ def test_a_nan_in_the_hooks_fp16_averages_names_the_tensor_and_the_rank_on_every
     """The plan in fp16, several buckets: the hook launches each bucket's average itself and the worker finishes
     them after the step's last launch, the non-finite flags' collective among them, in bucket order."""
     results = run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                        args=(29683, "nan", 0.0, "fp16_buckets"))
+                        args=(free_port(), "nan", 0.0, "fp16_buckets"))
     assert None not in results, f"a rank trained through the NaN step without raising: {results}"
     for step, message in results:
         assert step == PLAN_STEP + 1
@@ -858,22 +856,22 @@ def test_a_nan_in_the_hooks_fp16_averages_names_the_tensor_and_the_rank_on_every
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,native", [(29697, False), (29779, True)], ids=["python", "cpp"])
-def test_the_hooks_own_uncoded_average_hands_amp_nan_averages_with_propagate(port, native):
+@pytest.mark.parametrize("native", [False, True], ids=["python", "cpp"])
+def test_the_hooks_own_uncoded_average_hands_amp_nan_averages_with_propagate(native):
     if native:
         _needs_cpp_hook()
     for steps in run_ranks("tests.test_auto:body_ddp_uncoded_faults", np=2, timeout=120,
-                           args=(port, "propagate", 0.0, "buckets", native)):
+                           args=(free_port(), "propagate", 0.0, "buckets", native)):
         assert steps == [(False, True)] * (PLAN_STEP + 1) + [(True, False), (False, True)]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("port,native", [(29695, False), (29781, True)], ids=["python", "cpp"])
-def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_joins(port, native):
+@pytest.mark.parametrize("native", [False, True], ids=["python", "cpp"])
+def test_the_hooks_own_uncoded_average_fails_in_bounded_time_when_a_rank_never_joins(native):
     if native:
         _needs_cpp_hook()
     msg = run_ranks_failing("tests.test_auto:body_ddp_uncoded_faults", np=2, within=45,
-                            args=(port, "stuck", 0.0, "buckets", native))
+                            args=(free_port(), "stuck", 0.0, "buckets", native))
     assert "CollectiveTimeoutError" in msg and "failed on rank 0 at step" in msg, msg[-3000:]
 
 
@@ -940,7 +938,7 @@ def test_a_failed_step_on_the_cpp_path_leaves_no_error_for_the_next():
     _needs_cpp_hook()
     bad = PLAN_STEP + 2
     for rank, out in enumerate(run_ranks("tests.test_auto:body_cpp_failed_step", np=2, timeout=120,
-                                         args=(29783,))):
+                                         args=(free_port(),))):
         assert out[:bad] == [None] * bad and out[bad + 1:] == [None, None], out
         assert "CollectiveTimeoutError" in out[bad] and f"failed on rank {rank} at step {bad}" in out[bad], out[bad]
 

@@ -10,7 +10,7 @@ from hvd_terngrad import TernGradConfig
 from hvd_terngrad.collectives import Collectives, LoopbackWorld
 from hvd_terngrad.errors import CollectiveTimeoutError, PayloadMismatchError
 from tests.loopback import exchange
-from tests.mpi_harness import run_ranks
+from tests.mpi_harness import free_port, run_ranks
 
 CASES = [  # (name, options): every transport, with and without block scalers and error feedback
     ("allgather", {}),
@@ -72,7 +72,7 @@ def body_torch_pipeline(cases, port):
 
 @pytest.mark.mpi
 def test_the_pipeline_over_torch_distributed_gives_the_loopbacks_bits():
-    real = run_ranks("tests.test_collectives:body_torch_pipeline", np=2, timeout=180, args=(CASES, 29517))
+    real = run_ranks("tests.test_collectives:body_torch_pipeline", np=2, timeout=180, args=(CASES, free_port()))
     for name, options in CASES:
         world = LoopbackWorld(2)
         from hvd_terngrad.pipeline import Pipeline
@@ -106,7 +106,7 @@ def body_torch_peer_late(port):
 
 @pytest.mark.mpi
 def test_a_torch_collective_whose_peer_is_late_times_out_with_a_clear_error():
-    (msg, waited), _ = run_ranks("tests.test_collectives:body_torch_peer_late", np=2, timeout=60, args=(29518,))
+    (msg, waited), _ = run_ranks("tests.test_collectives:body_torch_peer_late", np=2, timeout=60, args=(free_port(),))
     assert "rank 0 waited 1 s for the code allgather of 'w' over the default process group" in msg, msg
     assert waited < 3
 

@@ -102,10 +102,10 @@ def test_simulated_powersgd_is_torchs_hook_bit_for_bit():
 
     from benchmarks.simulator import SimulatedPowerSGD
     from tests.golden import frontends as G
-    from tests.mpi_harness import run_ranks
+    from tests.mpi_harness import free_port, run_ranks
 
     (steps, hooks), _ = run_ranks("tests.test_fidelity_suite:body_powersgd_reference", np=2, timeout=120,
-                                  args=(29661,))
+                                  args=(free_port(),))
     assert hooks == 6  # one bucket a step
     order = steps[-1][2]
     sim = SimulatedPowerSGD(G.Net().named_parameters(), 2, rank=2, start_iter=2, min_compression_rate=0.5, seed=3,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import time_to_accuracy as T
+from tests.mpi_harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +98,7 @@ def test_the_worker_trains_every_kind_of_method_on_two_ranks(tmp_path):
     out = tmp_path / "runs.jsonl"
     methods = "ddp:fp32,ddp:powersgd,fp16,terngrad:noclip:ef:block64,ddp:terngrad:sharded-ternary,local"
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "MASTER_PORT": "29651", "PYTHONPATH": str(ROOT),
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT),
            "OMPI_MCA_mpi_yield_when_idle": "1"}  # as tests/mpi_harness.py: a job beside others
     res = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "-np", "2", sys.executable, "-m",
                           "benchmarks.time_to_accuracy", "worker", "--task", "lenet", "--seed", "0", "--methods",

@@ -14,7 +14,7 @@ from hvd_terngrad.errors import NonFiniteGradientError
 from hvd_terngrad.finite import absmax
 from hvd_terngrad.transports.uncoded import HALF_HEADROOM, half_scale
 from tests.golden import frontends as G
-from tests.mpi_harness import run_ranks
+from tests.mpi_harness import free_port, run_ranks
 from tests.test_auto import _steps, _train, trial
 
 
@@ -243,8 +243,7 @@ def body_frontends_fp16(port, spike_step):
 @pytest.mark.mpi
 @pytest.mark.parametrize("spike_step", [None, PLAN_STEP + 1], ids=["steady", "outgrown"])
 def test_every_front_end_averages_in_fp16_where_auto_says_so_and_they_agree(spike_step):
-    port = 29705 if spike_step is None else 29707
-    res = run_ranks("tests.test_uncoded:body_frontends_fp16", np=2, timeout=240, args=(port, spike_step))
+    res = run_ranks("tests.test_uncoded:body_frontends_fp16", np=2, timeout=240, args=(free_port(), spike_step))
     for digests, wires, measured, growth in res:
         assert wires == ["fp16"] * 3
         assert all(m for m in measured)  # every front end measured its tensors' magnitudes
