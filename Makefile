@@ -13,6 +13,8 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # ranks that busy-poll take the cores their peers need (a 4-rank job on 2 cores: 10x slower steps, measured)
 export OMPI_MCA_mpi_yield_when_idle := 1
 NP ?= 2
+# pytest workers of make test (the container job takes one, mostly waiting on podman)
+TEST_WORKERS ?= 2
 
 .PHONY: install train train-ddp test lint docker bench-codec bench-fidelity clean
 
@@ -45,7 +47,7 @@ lint: install
 # two pytest workers: the container job (mostly waiting on podman and pip) runs beside the rest of the suite
 test: install
 	@$(VENV)/bin/ruff check .
-	@$(PY) -m pytest tests -q -ra --timeout 600 -n 2 --dist loadgroup --durations=15
+	@$(PY) -m pytest tests -q -ra --timeout 600 -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 docker: install
 	@bash docker/build.sh --cluster
