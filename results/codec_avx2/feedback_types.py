@@ -2,9 +2,11 @@
 elements, one thread, at the machine's SIMD level (medians of 7 rounds, each call timed over >= 1 s).
 
     PYTHONPATH=. python results/codec_avx2/feedback_types.py > results/codec_avx2/feedback_types.txt
+    PYTHONPATH=. python results/codec_avx2/feedback_types.py 2     # the SIMD level capped at 2 (cpu.set_simd_level)
 """
 import platform
 import statistics
+import sys
 
 import torch
 
@@ -13,6 +15,8 @@ from hvd_terngrad import codec
 from hvd_terngrad.codec import cpu
 
 n = 1 << 24
+if len(sys.argv) > 1:
+    cpu.set_simd_level(int(sys.argv[1]))
 
 
 def pair(x: torch.Tensor, r: torch.Tensor, s: float) -> tuple[float, float]:
