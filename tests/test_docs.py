@@ -107,7 +107,7 @@ def _protocol_methods(protocol) -> list[str]:
 
 def test_the_constants_the_docs_quote_are_the_codes():
     """Numbers the pages state about the code, read from the code: a wait's spin, the operations of the codec and
-    collectives protocols, and every default of README's options table (each TernGradConfig field has a row)."""
+    collectives protocols, and every default of the guide's options table (each TernGradConfig field has a row)."""
     import ast
     import dataclasses
 
@@ -115,7 +115,7 @@ def test_the_constants_the_docs_quote_are_the_codes():
     from hvd_terngrad.codec import Backend
     from hvd_terngrad.config import TernGradConfig
 
-    readme, arch = (ROOT / "README.md").read_text(), (ROOT / "docs" / "architecture.md").read_text()
+    readme, arch = (ROOT / "docs" / "guide.md").read_text(), (ROOT / "docs" / "architecture.md").read_text()
     spin = re.search(r"A wait yields the core for its first (\d+) ms", readme)
     assert spin and int(spin[1]) == round(collectives._SPIN_S * 1000)
     ops = re.search(r"`codec\.Backend`\s+\((\w+) operations", arch)
@@ -126,15 +126,15 @@ def test_the_constants_the_docs_quote_are_the_codes():
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", readme, flags=re.M))
     wrong = []
     for f in dataclasses.fields(TernGradConfig):
-        assert f.name in rows, f"README's options table has no row for {f.name}"
+        assert f.name in rows, f"docs/guide.md's options table has no row for {f.name}"
         cell = rows[f.name].split(":")[0].strip()
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         try:
             quoted = ast.literal_eval(cell)
         except (ValueError, SyntaxError):  # prose ("torch's"): it says what None means
             if default is not None:
-                wrong.append(f"{f.name}: README says {cell!r}, the default is {default!r}")
+                wrong.append(f"{f.name}: docs/guide.md says {cell!r}, the default is {default!r}")
             continue
         if quoted != default:
-            wrong.append(f"{f.name}: README says {cell!r}, the default is {default!r}")
+            wrong.append(f"{f.name}: docs/guide.md says {cell!r}, the default is {default!r}")
     assert not wrong, wrong
