@@ -4,6 +4,7 @@
 #   make test    install what is missing, then lint and the full test suite
 #   make docker  build the CPU image and run a 2-container job in it (docker/build.sh --cluster)
 #   make train-ddp  the digits training on PyTorch DDP (torchrun), FP32 and then TernGrad's hook
+#   make docs    the API reference from the docstrings (pdoc) into build/api/
 SHELL := /bin/bash
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,7 @@ NP ?= 2
 # pytest workers of make test (the container job takes one, mostly waiting on podman)
 TEST_WORKERS ?= 2
 
-.PHONY: install train train-ddp test lint docker bench-codec bench-fidelity clean
+.PHONY: install train train-ddp test lint docs docker bench-codec bench-fidelity clean
 
 install:
 	@bash scripts/install.sh
@@ -48,6 +49,9 @@ lint: install
 test: install
 	@$(VENV)/bin/ruff check .
 	@$(PY) -m pytest tests -q -ra --timeout 600 -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+docs: install
+	@$(PY) scripts/api_reference.py build/api
 
 docker: install
 	@bash docker/build.sh --cluster

@@ -50,11 +50,20 @@ _PASS = object()
 class TernGrad(Compressor):
     """TernGrad compressor (Wen et al., NeurIPS 2017): 2-bit stochastic ternary gradients, shared scaler.
 
-    named_parameters: the model's named parameters. Optional for the stock optimizer, but needed for
-        exclusion by name and for tensor names in errors; without them tensors are named by their order.
-    config / **options: a TernGradConfig, or its fields as keywords (clip=2.5, share_scaler=True,
-        min_numel=1024, exclude=(), seed=0, error_feedback=False, backend="auto", ...).
-    process_set: the Horovod process set the gradients are averaged over (default: all ranks).
+    Args:
+        named_parameters: the model's named parameters. Optional for the stock optimizer, but needed for
+            exclusion by name and for tensor names in errors; without them tensors are named by their order.
+        config: a TernGradConfig; or its fields as keyword **options (clip=2.5, share_scaler=True,
+            min_numel=1024, exclude=(), seed=0, error_feedback=False, backend="auto", ...), not both.
+        process_set: the Horovod process set the gradients are averaged over (default: all ranks).
+
+    Raises:
+        ValueError: config= and options both given, or an option out of range (TernGradConfig's checks); at
+            the first compress(), hierarchical=True or transport="summed-int8" (hvd_terngrad's optimizer only),
+            or a rank outside process_set.
+        NonFiniteGradientError: a NaN or Inf gradient, on every rank, naming the tensor and the rank
+            (on_nonfinite="raise").
+        CollectiveTimeoutError: a collective whose peers never joined within timeout_s.
 
     connect() binds the compressor to its process set and makes its session (hvd_terngrad.session); the first
     compress() or use of a property connects it if nothing did before. Handed to hvd_terngrad's optimizer, it

@@ -25,44 +25,50 @@ ON_NONFINITE = ("raise", "skip", "propagate")
 
 @dataclass(frozen=True)
 class TernGradConfig:
-    """Options of TernGrad.
+    """Options of TernGrad, frozen: every rank's must be the same (the payload headers check).
 
-    clip: c of the scaler s = min(c * std(g), max|g|); 0 turns clipping off (s = max|g|).
-    share_scaler: every rank codes with the max of the ranks' scalers (one tiny Max allreduce).
-    min_numel: tensors with fewer elements pass through in float (plain allreduce average; where
-        transport="auto" keeps fp16 for its uncoded groups, in fp16 with them: transports.uncoded).
-    exclude: fnmatch patterns of parameter names that pass through in float, e.g. ("fc.*",); as min_numel's.
-    seed: the Philox key; with step, rank and tensor it fixes every random draw.
-    error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
-    owner_error_feedback: transport="sharded-ternary" only: each shard owner keeps the error of its second
-        draw and adds it to its next average of that shard (dropped when the shard's layout changes, as with
-        another world size). None (the default) follows error_feedback: with it on, every lossy draw is
-        compensated; recommended() with sharded-ternary diverged on NCF without it (docs/transports.md).
-    owner_clip: transport="sharded-ternary" only: c of each shard owner's scaler, min(c * std, max|a|) over
-        its shard's averages a; 0 turns it off (max|a|: an unbiased second draw). Apart from clip because
-        the owner's draw differs: one scaler for a whole shard of several tensors, and no error feedback by
-        default. With clip=0 and error feedback on the workers, unclipped owners made LeNet-5 diverge at 4
-        workers (docs/transports.md, sharded-ternary with recommended()).
-    backend: codec backend, one of "auto", "cpu", "cuda", "reference".
-    transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
-        an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
-        hvd_terngrad optimizer only), "sharded" (code sums through shard owners: an alltoall and an allgather,
-        bit-identical to allgather), "sharded-ternary" (the owners ternarize their reply again; about 16x below
-        an FP32 ring at any N), or "auto" (the cost model's choice per bucket from N and the link).
-    on_nonfinite: "raise" an error on every rank, "skip" the step on every rank (skip needs
-        hvd_terngrad.DistributedOptimizer, which owns the step), or "propagate": the tensor's average is NaN on
-        every rank, as a float average would be, so that AMP's GradScaler sees the overflow, skips the step
-        and lowers its scale (both optimizers).
-    num_threads: CPU codec threads (default: torch.get_num_threads()).
-    hierarchical: nodes with several ranks average inside the node in float and code only between nodes,
-        one rank a node per bucket, then broadcast inside the node (hvd_terngrad.hierarchy; the
-        hvd_terngrad optimizer on the global process set, which needs HOROVOD_DYNAMIC_PROCESS_SETS=1, or the
-        DDP hook on the default process group).
-    link_gbps: the link between workers in Gbit/s, for transport="auto"'s choice (default: the environment
-        variable HVD_TERNGRAD_LINK_GBPS, else 1 Gbit/s Ethernet).
-    timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank
-        raises CollectiveTimeoutError naming the tensor (summed-int8, whose MPI call cannot be cancelled,
-        aborts the job instead). It must cover the slowest rank's lag in reaching a step, not only the transfer.
+    Attributes:
+        clip: c of the scaler s = min(c * std(g), max|g|); 0 turns clipping off (s = max|g|).
+        share_scaler: every rank codes with the max of the ranks' scalers (one tiny Max allreduce).
+        min_numel: tensors with fewer elements pass through in float (plain allreduce average; where
+            transport="auto" keeps fp16 for its uncoded groups, in fp16 with them: transports.uncoded).
+        exclude: fnmatch patterns of parameter names that pass through in float, e.g. ("fc.*",); as min_numel's.
+        seed: the Philox key; with step, rank and tensor it fixes every random draw.
+        error_feedback: keep the coding error of each tensor and add it to the next step's gradient.
+        owner_error_feedback: transport="sharded-ternary" only: each shard owner keeps the error of its second
+            draw and adds it to its next average of that shard (dropped when the shard's layout changes, as with
+            another world size). None (the default) follows error_feedback: with it on, every lossy draw is
+            compensated; recommended() with sharded-ternary diverged on NCF without it (docs/transports.md).
+        owner_clip: transport="sharded-ternary" only: c of each shard owner's scaler, min(c * std, max|a|) over
+            its shard's averages a; 0 turns it off (max|a|: an unbiased second draw). Apart from clip because
+            the owner's draw differs: one scaler for a whole shard of several tensors, and no error feedback by
+            default. With clip=0 and error feedback on the workers, unclipped owners made LeNet-5 diverge at 4
+            workers (docs/transports.md, sharded-ternary with recommended()).
+        backend: codec backend, one of "auto", "cpu", "cuda", "reference".
+        transport: how codes travel: "allgather" (2-bit codes, each worker receives all), "summed" (code sums in
+            an fp16 allreduce, exact for N <= 2048), "summed-int8" (int8 sums through mpi4py, N <= 127,
+            hvd_terngrad optimizer only), "sharded" (code sums through shard owners: an alltoall and an allgather,
+            bit-identical to allgather), "sharded-ternary" (the owners ternarize their reply again; about 16x below
+            an FP32 ring at any N), or "auto" (the cost model's choice per bucket from N and the link).
+        on_nonfinite: "raise" an error on every rank, "skip" the step on every rank (skip needs
+            hvd_terngrad.DistributedOptimizer, which owns the step), or "propagate": the tensor's average is NaN on
+            every rank, as a float average would be, so that AMP's GradScaler sees the overflow, skips the step
+            and lowers its scale (both optimizers).
+        num_threads: CPU codec threads (default: torch.get_num_threads()).
+        hierarchical: nodes with several ranks average inside the node in float and code only between nodes,
+            one rank a node per bucket, then broadcast inside the node (hvd_terngrad.hierarchy; the
+            hvd_terngrad optimizer on the global process set, which needs HOROVOD_DYNAMIC_PROCESS_SETS=1, or the
+            DDP hook on the default process group).
+        link_gbps: the link between workers in Gbit/s, for transport="auto"'s choice (default: the environment
+            variable HVD_TERNGRAD_LINK_GBPS, else 1 Gbit/s Ethernet).
+        timeout_s: the longest any of TernGrad's collectives may wait for its peers; past it the waiting rank
+            raises CollectiveTimeoutError naming the tensor (summed-int8, whose MPI call cannot be cancelled,
+            aborts the job instead). It must cover the slowest rank's lag in reaching a step, not only the transfer.
+        block_size: one scaler per block of this many elements (a power of two >= 64) instead of one a tensor,
+            clipped at the tensor's c * std (wire format version 2); None: one a tensor.
+
+    Raises:
+        ValueError: an option out of its range or not one of its names, naming the option and what it accepts.
     """
 
     clip: float = 2.5
@@ -131,7 +137,14 @@ class TernGradConfig:
         """No clipping, error feedback and a scaler per 64 elements: the configuration that loses nowhere in the
         fidelity suite (its figures, and how to re-measure them: docs/results.md). The price: 14.2x
         compression instead of 16x (the 16-bit shared block scalers), and one copy of the coded gradients for
-        the residuals."""
+        the residuals.
+
+        Args:
+            **overrides: fields to set otherwise, e.g. transport="sharded-ternary".
+
+        Returns:
+            The TernGradConfig.
+        """
         return cls(**{"clip": 0.0, "error_feedback": True, "block_size": 64, **overrides})
 
     def link(self) -> Link:

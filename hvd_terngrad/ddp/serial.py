@@ -112,13 +112,29 @@ class InLaunchOrder:
 
 
 def in_launch_order(wrapped: InLaunchOrder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: `wrapped.hook(wrapped.state, bucket)`, in launch order (InLaunchOrder)."""
+    """DDP communication hook: `wrapped.hook(wrapped.state, bucket)`, in launch order (InLaunchOrder).
+
+    Args:
+        wrapped: the InLaunchOrder holding the hook and its state (register it as the hook's state).
+        bucket: DDP's bucket.
+
+    Returns:
+        The future of the bucket's average, as the wrapped hook's.
+    """
     return wrapped._order.submit(lambda: wrapped.hook(wrapped.state, bucket))
 
 
 def bf16_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's bf16_compress_hook under another name. DDP refuses that hook by its name unless NCCL is there,
-    though gloo sums bfloat16 too; registered as this, it runs on CPU as well."""
+    though gloo sums bfloat16 too; registered as this, it runs on CPU as well.
+
+    Args:
+        process_group: the group to average over (None: the default group), as torch's hook takes it.
+        bucket: DDP's bucket.
+
+    Returns:
+        The future of the bucket's average, rounded to bf16 and back.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(process_group, bucket)

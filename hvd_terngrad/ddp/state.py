@@ -23,17 +23,22 @@ from hvd_terngrad.session import Session
 class TernGradState:
     """The state of terngrad_hook (one per DDP model), in the manner of PowerSGDState.
 
-    named_parameters: the module's named parameters (names key the codes, exclude= and the errors).
-    config / **options: a TernGradConfig, or its fields as keywords.
-    process_group: the torch.distributed group DDP averages over (default: the whole world). Every rank of it
-        makes its state at the same point of its program, as it makes its DDP model: the state makes a process
-        group of its own over the same ranks.
-    bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with them, as
-        one group of at least this many bytes or up to the step's last bucket (0: each bucket on its own). A
-        group costs two collectives whatever its size, which on a slow link outweighs the overlap a small
-        bucket would buy (measured: docs/notes/tta-history.md); DDP's own 25 MB buckets go alone. Where
-        transport="auto"'s plan sends every bucket uncoded, each bucket is one average on its own, as with DDP's
-        own hooks.
+    Args:
+        named_parameters: the module's named parameters (names key the codes, exclude= and the errors).
+        config: a TernGradConfig; or its fields as keyword **options, not both.
+        process_group: the torch.distributed group DDP averages over (default: the whole world). Every rank of
+            it makes its state at the same point of its program, as it makes its DDP model: the state makes a
+            process group of its own over the same ranks.
+        bucket_bytes: DDP buckets smaller than this wait for the next ones and go through the pipeline with
+            them, as one group of at least this many bytes or up to the step's last bucket (0: each bucket on its
+            own). A group costs two collectives whatever its size, which on a slow link outweighs the overlap a
+            small bucket would buy (measured: docs/notes/tta-history.md); DDP's own 25 MB buckets go alone. Where
+            transport="auto"'s plan sends every bucket uncoded, each bucket is one average on its own, as with
+            DDP's own hooks.
+
+    Raises:
+        ValueError: bucket_bytes < 0, config= and options both given, an option out of range,
+            hierarchical=True with a process_group, or on_nonfinite="skip" (DDP owns the step).
     """
 
     # DDP checks the hook's annotations as objects: this module has no `from __future__ import annotations`

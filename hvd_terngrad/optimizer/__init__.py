@@ -194,9 +194,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                          bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Wrap `optimizer` so that gradients are averaged across ranks as TernGrad ternary codes.
 
-    Same signature as hvd.DistributedOptimizer; compression must be an hvd_terngrad.TernGrad (default:
-    TernGrad() with the paper's options). op must be Average and gradient_predivide_factor 1.0;
-    num_groups and groups are replaced by bucket_bytes (the dense bytes per bucket of coded tensors).
+    Same signature as hvd.DistributedOptimizer, less what TernGrad replaces. The optimizer builds its own session
+    (hvd_terngrad.session) from the compressor's options; the compressor then reports its stats and state.
+
+    Args:
+        optimizer: the torch optimizer to wrap; its class is subclassed, as Horovod does.
+        named_parameters: (name, parameter) of every parameter, usually model.named_parameters(); names key the
+            codes, exclude= and the errors (made up by position where not given).
+        compression: an hvd_terngrad.TernGrad with the options (default: the paper's, TernGradConfig()).
+        backward_passes_per_step: backward passes a step accumulates before the exchange (>= 1).
+        op: hvd.Average only.
+        gradient_predivide_factor: 1.0 only (TernGrad decodes the exact average).
+        num_groups: 0 only; groups: None only (bucket_bytes replaces both).
+        sparse_as_dense: code sparse gradients as dense tensors and hand them back sparse (else they pass
+            through uncoded, averaged as Horovod averages them).
+        process_set: the Horovod process set to average over (the compressor's must be the same).
+        bucket_bytes: the dense bytes of coded gradient per bucket (buckets.plan_buckets).
+
+    Returns:
+        The wrapped optimizer: step(), zero_grad(), synchronize() and skip_synchronize() as Horovod's.
+
+    Raises:
+        ValueError: a compression other than TernGrad, op, gradient_predivide_factor, num_groups or groups
+            other than the above, bucket_bytes < 1, duplicate or missing parameter names, or a compressor bound
+            to another process set.
     """
     if compression is not None and not (isinstance(getattr(compression, "config", None), TernGradConfig)
                                         and callable(getattr(compression, "attach", None))):
