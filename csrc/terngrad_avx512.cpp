@@ -44,6 +44,29 @@ TG_AVX512 inline __m512 load16(int dtype, const void* x, int64_t i) {
   }
 }
 
+// Sixteen fp16 or bf16 values as fp32, and sixteen fp32 rounded to them as round8 in terngrad_cpu.cpp rounds (to
+// nearest even; every NaN the one NaN of that path: fp16 keeps the sign, bf16 gives 0x7fc0).
+TG_AVX512 inline __m512 widen16(int dtype, __m256i h) {
+  if (dtype == TG_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+TG_AVX512 inline __m256i round16(int dtype, __m512 f) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);  // rare: the common case skips the NaN blend
+  const __m512i bits = _mm512_castps_si512(f);
+  if (dtype == TG_F16) {
+    const __m256i h = _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (__builtin_expect(!nan, 1)) return h;
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000)),
+                                          _mm512_set1_epi32(0x7e00));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(h), nan, quiet));
+  }
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  if (__builtin_expect(nan != 0, 0)) h = _mm512_mask_mov_epi32(h, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(h);
+}
+
 // The four output words of Philox blocks j0 .. j0+7 (j0 a multiple of 8), one 32-bit lane per block.
 TG_AVX512 inline void philox8(uint64_t j0, const Key& key, const __m512i* K0, const __m512i* K1, __m256i out[4]) {
   const __m512i M0 = _mm512_set1_epi64(TG_PHILOX_M0), M1 = _mm512_set1_epi64(TG_PHILOX_M1);
@@ -151,10 +174,13 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
     K1[r] = _mm512_set1_epi64(key.k1 + (uint32_t)r * TG_PHILOX_W1);
   }
   const __m512i one = _mm512_set1_epi32(1);
+  const bool half = dtype == TG_F16 || dtype == TG_BF16;
   const int shift = __builtin_ctzll((uint64_t)block);  // block: a power of two (a 64-bit division is slow)
   for (int64_t i = b; i < e; i += 64) {
     const float s = scalers[i >> shift];  // 64 elements lie in one block
     const __m512 vs17 = _mm512_set1_ps(s * 0x1p-17f), vs = _mm512_set1_ps(s);
+    // s in the element type, as the decoded codes times s are (rounding is symmetric, so -s rounds to its negation)
+    const __m512 vs_t = fb && half ? widen16(dtype, round16(dtype, vs)) : vs;
     __m256i w[4];
     philox8((uint64_t)i / 8, key, K0, K1, w);
     // Transpose: the four words of block l (elements 8l .. 8l+7) into one 128-bit lane.
@@ -170,13 +196,39 @@ TG_AVX512 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, 
       const __m512i h = _mm512_cvtepu16_epi32(pair[v]);  // 16 halves, element order
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_slli_epi32(h, 1), one)), vs17);
       const int64_t k = i - b + 16 * v;
-      __m512 xv = load16(dtype, x, k);
-      if (fb && fb->r_in) xv = _mm512_add_ps(xv, _mm512_loadu_ps(fb->r_in + k));
+      __m512 xv;  // what is coded, in fp32
+      __m512d xd[2];  // fp64 with error feedback: x + r_in itself
+      if (fb && dtype == TG_F64) {
+        const double* p = static_cast<const double*>(x) + k;
+        xd[0] = _mm512_loadu_pd(p);
+        xd[1] = _mm512_loadu_pd(p + 8);
+        if (fb->r_in) {
+          const double* q = static_cast<const double*>(fb->r_in) + k;
+          xd[0] = _mm512_add_pd(xd[0], _mm512_loadu_pd(q));
+          xd[1] = _mm512_add_pd(xd[1], _mm512_loadu_pd(q + 8));
+        }
+        xv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(xd[0])), _mm512_cvtpd_ps(xd[1]), 1);
+      } else {
+        xv = load16(dtype, x, k);
+        if (fb && fb->r_in) {
+          xv = _mm512_add_ps(xv, load16(dtype, fb->r_in, k));
+          if (half) xv = widen16(dtype, round16(dtype, xv));
+        }
+      }
       const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_abs_ps(xv), _CMP_LT_OQ);
       const __mmask16 sign = _mm512_movepi32_mask(_mm512_castps_si512(xv));
       if (fb) {  // r = x - s*b: b = 0 subtracts +0, as the decoded codes times s do
-        const __m512 sent = _mm512_maskz_mov_ps(keep, _mm512_mask_sub_ps(vs, sign, _mm512_setzero_ps(), vs));
-        _mm512_storeu_ps(fb->r_out + k, _mm512_sub_ps(xv, sent));
+        const __m512 sent = _mm512_maskz_mov_ps(keep, _mm512_mask_sub_ps(vs_t, sign, _mm512_setzero_ps(), vs_t));
+        if (dtype == TG_F32) {
+          _mm512_storeu_ps(static_cast<float*>(fb->r_out) + k, _mm512_sub_ps(xv, sent));
+        } else if (dtype == TG_F64) {
+          double* q = static_cast<double*>(fb->r_out) + k;
+          _mm512_storeu_pd(q, _mm512_sub_pd(xd[0], _mm512_cvtps_pd(_mm512_castps512_ps256(sent))));
+          _mm512_storeu_pd(q + 8, _mm512_sub_pd(xd[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(sent, 1))));
+        } else {  // sent is in the element type already
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(fb->r_out) + k),
+                              round16(dtype, _mm512_sub_ps(xv, sent)));
+        }
       }
       pos |= (uint64_t)(uint16_t)(keep & ~sign) << (16 * v);
       neg |= (uint64_t)(uint16_t)(keep & sign) << (16 * v);

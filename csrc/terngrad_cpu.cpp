@@ -637,21 +637,17 @@ void ternarize_impl(const void* xv, const void* rv, int64_t n, const float* scal
   parallel_for(nchunks, n >= kThreadsCoding ? nthreads : 1, [&](int64_t cb, int64_t ce) {
     const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
     if (!r_out) return ternarize_range<DT>(x + b, b, e, scalers, block, key, out);
-    // fused in registers: one read of g and r, one write of r_out (the AVX2 kernel for the types the AVX-512 one
-    // does not fuse), the scalar path for the last elements past a multiple of 64, or all of them
+    // fused in registers: one read of g and r, one write of r_out, the scalar path for the last elements past a
+    // multiple of 64, or all of them
     int64_t mid = b;
 #if TG_X86
-    if (has_avx2()) {
+    if (has_avx512()) {
       mid = b + (e - b) / 64 * 64;
-      bool done = false;
-      if constexpr (DT == TG_F32) {
-        if (has_avx512()) {
-          const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
-          tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
-          done = true;
-        }
-      }
-      if (!done) ternarize_avx2<DT>(x + b, b, mid, scalers, block, key, out, r ? r + b : nullptr, r_out + b);
+      const tg::Feedback fb{r ? r + b : nullptr, r_out + b};
+      tg::ternarize_avx512(DT, x + b, b, mid, scalers, block, key, out, &fb);
+    } else if (has_avx2()) {
+      mid = b + (e - b) / 64 * 64;
+      ternarize_avx2<DT>(x + b, b, mid, scalers, block, key, out, r ? r + b : nullptr, r_out + b);
     }
 #endif
     if (mid < e)

@@ -170,15 +170,16 @@ struct CodeLut {
 // AVX-512 kernels (terngrad_avx512.cpp), usable when avx512_usable() is true.
 bool avx512_usable();
 
-// Error feedback fused into the fp32 ternarizer: it codes x + r_in (r_in may be null: x alone) and writes the
-// residual r_out = (x + r_in) - s * b (r_out may alias r_in). Pointers as x: at the range's first element.
+// Error feedback fused into the ternarizer: it codes x + r_in (r_in may be null: x alone) and writes the residual
+// r_out = (x + r_in) - s * b (r_out may alias r_in), each rounded to the element type as the scalar path rounds
+// them. Pointers in the tensor's element type, as x: at the range's first element.
 struct Feedback {
-  const float* r_in;
-  float* r_out;
+  const void* r_in;
+  void* r_out;
 };
 
 // Elements [b, e), b and e multiples of 64, element i with scalers[i / block] (block a power of two >= 64), read at
-// x[i - b]; writes bytes b/4 .. e/4 of out. fb (fp32 only) fuses error feedback.
+// x[i - b]; writes bytes b/4 .. e/4 of out. fb fuses error feedback.
 void ternarize_avx512(int dtype, const void* x, int64_t b, int64_t e, const float* scalers, int64_t block,
                       const Key& key, uint8_t* out, const Feedback* fb = nullptr);
 
