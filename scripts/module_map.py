@@ -51,7 +51,7 @@ def _targets(node: ast.AST, known: dict) -> list[tuple[str, str | None]]:
 
 
 def _short(module: str) -> str:
-    return module[len("hvd_terngrad."):] or "(package)" if module != "hvd_terngrad" else "(package)"
+    return "(package)" if module == "hvd_terngrad" else module[len("hvd_terngrad."):]
 
 
 def imports(path: pathlib.Path, known: dict) -> tuple[set[str], set[str], set[tuple[str, str | None]]]:
