@@ -192,7 +192,7 @@ def body_frontends_fp16(port, spike_step):
 
     import hvd_terngrad
     from hvd_terngrad.ddp import TernGradState, terngrad_hook
-    from tests.test_ddp import _close_gloo, _init_gloo
+    from tests.ddp.test_ddp import _close_gloo, _init_gloo
 
     hvd_terngrad.auto.TRIAL_PAIRS = 0  # the plan untried, in fp16: this is about the wire, not timing
     hvd_terngrad.auto.WIRES = ("fp16",)

@@ -4,15 +4,15 @@ Mixed parameter dtypes under transport="auto" (one order of the hook's collectiv
 (averaged as DDP's allreduce_hook averages them, to the bit), complex parameters (averaged whole), a NaN in a
 tensor averaged in float or in a sparse one (named with its rank on every rank), one rank (the gradients
 untouched), compiled autograd's Python reducer (refused), and what the state says of itself (its name in DDP's
-logging, pickling). `python -m tests.test_ddp_hardening` runs the mixed-dtype model long (main)."""
+logging, pickling). `python -m tests.ddp.test_ddp_hardening` runs the mixed-dtype model long (main)."""
 import pickle
 
 import pytest
 import torch
 
+from tests.ddp.test_ddp import _close_gloo, _init_gloo
 from tests.golden import frontends as G
 from tests.mpi_harness import free_port, run_ranks
-from tests.test_ddp import _close_gloo, _init_gloo
 
 pytestmark = pytest.mark.mpi
 
@@ -108,7 +108,7 @@ def test_mixed_dtypes_under_auto_issue_every_collective_from_one_thread(bf16):
     skewed). Now every rank trains on to the same finite parameters, registered either way."""
     steps = 60
     cases = [(AUTO_FAST, "register"), (AUTO_FAST, "register_comm_hook")]
-    res = run_ranks("tests.test_ddp_hardening:body_mixed_dtypes", np=2, timeout=240,
+    res = run_ranks("tests.ddp.test_ddp_hardening:body_mixed_dtypes", np=2, timeout=240,
                     args=(free_port(), cases, steps, bf16, True))
     assert res[0] == res[1]
     for key, (_, finite, step, auto) in res[0].items():
@@ -121,7 +121,7 @@ def test_mixed_dtypes_on_every_transport(np):
     from hvd_terngrad.transports import TRANSPORTS
 
     cases = [({"transport": t, "min_numel": 64}, "register") for t in TRANSPORTS]
-    res = run_ranks("tests.test_ddp_hardening:body_mixed_dtypes", np=np, timeout=240,
+    res = run_ranks("tests.ddp.test_ddp_hardening:body_mixed_dtypes", np=np, timeout=240,
                     args=(free_port(), cases, 6, True))
     assert all(r == res[0] for r in res)
     for key, (_, finite, step, _) in res[0].items():
@@ -184,7 +184,7 @@ def test_sparse_gradients_are_averaged_as_ddps_allreduce_hook_averages_them():
     """nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True): each rank kept its own gradient, silently.
     Now a sparse bucket goes uncoded, averaged as DDP's allreduce_hook averages it: the parameters are its to
     the bit, alone and beside a dense head kept in float; coded or under auto, every rank agrees."""
-    res = run_ranks("tests.test_ddp_hardening:body_sparse", np=2, timeout=180, args=(free_port(), 8))
+    res = run_ranks("tests.ddp.test_ddp_hardening:body_sparse", np=2, timeout=180, args=(free_port(), 8))
     assert res[0] == res[1]
     out = res[0]
     for dense in (False, True):
@@ -248,7 +248,7 @@ def test_complex_parameters_are_averaged_whole():
     from hvd_terngrad.auto import PLAN_STEP
 
     steps = PLAN_STEP + 3
-    res = run_ranks("tests.test_ddp_hardening:body_complex", np=2, timeout=180, args=(free_port(), steps))
+    res = run_ranks("tests.ddp.test_ddp_hardening:body_complex", np=2, timeout=180, args=(free_port(), steps))
     assert res[0] == res[1]
     out = res[0]
     assert out["float"] == out["allreduce_hook"] and out["auto"] == out["allreduce_hook"]
@@ -292,7 +292,7 @@ def body_nonfinite(port, case):
 @pytest.mark.parametrize("case", ["min_numel", "exclude", "sparse"])
 def test_a_nan_in_a_float_or_sparse_tensor_raises_on_every_rank_naming_it(case):
     tensor = {"min_numel": "head.bias", "exclude": "head.weight", "sparse": None}[case]
-    res = run_ranks("tests.test_ddp_hardening:body_nonfinite", np=2, timeout=120, args=(free_port(), case))
+    res = run_ranks("tests.ddp.test_ddp_hardening:body_nonfinite", np=2, timeout=120, args=(free_port(), case))
     for got in res:
         assert got is not None, "no error"
         step, message = got
@@ -324,7 +324,7 @@ def body_one_rank(port):
 
 def test_one_rank_leaves_the_gradients_as_plain_ddp_does():
     """With one rank there is no peer to average with: the hook codes nothing, as both Horovod front ends."""
-    out = run_ranks("tests.test_ddp_hardening:body_one_rank", np=1, timeout=90, args=(free_port(),))[0]
+    out = run_ranks("tests.ddp.test_ddp_hardening:body_one_rank", np=1, timeout=90, args=(free_port(),))[0]
     for name in ("recommended", "paper", "auto"):
         assert out[name] == out["plain"], name
 
@@ -361,7 +361,7 @@ def body_python_reducer(port):
 
 
 def test_compiled_autograds_python_reducer_is_refused_with_a_reason():
-    for _, out in run_ranks("tests.test_ddp_hardening:body_python_reducer", np=2, timeout=90, args=(free_port(),)):
+    for _, out in run_ranks("tests.ddp.test_ddp_hardening:body_python_reducer", np=2, timeout=90, args=(free_port(),)):
         for how in ("register", "hook"):
             assert "python_reducer" in out[how] and "optimize_ddp" in out[how], out
 
@@ -391,7 +391,7 @@ def body_names(port):
 def test_the_hook_names_its_cpp_path_only_where_it_runs_and_says_how_to_checkpoint():
     from hvd_terngrad.ddp.native import native_module
 
-    out = run_ranks("tests.test_ddp_hardening:body_names", np=2, timeout=90, args=(free_port(),))[0]
+    out = run_ranks("tests.ddp.test_ddp_hardening:body_names", np=2, timeout=90, args=(free_port(),))[0]
     assert out["allgather"] == "terngrad_hook"
     assert out["auto"] == ("hvd_terngrad.ddp.terngrad_hook (C++ path)" if native_module() else "terngrad_hook")
     assert "state_dict()" in out["pickle"] and "load_state_dict()" in out["pickle"]
@@ -402,7 +402,7 @@ def main() -> None:
     bf16 layer, the ranks skewed, for every transport and for transport="auto" (fast link: uncoded; slow: coded),
     registered either way. Writes what each rank ended with as JSON.
 
-        PYTHONPATH=. python -m tests.test_ddp_hardening --steps 200 --out results/ddp_hardening/mixed_dtypes.json
+        PYTHONPATH=. python -m tests.ddp.test_ddp_hardening --steps 200 --out results/ddp_hardening/mixed_dtypes.json
     """
     import argparse
     import json
@@ -422,7 +422,7 @@ def main() -> None:
     for np in args.np:
         for bf16 in (False, True):
             t0 = time.perf_counter()
-            res = run_ranks("tests.test_ddp_hardening:body_mixed_dtypes", np=np, timeout=1800,
+            res = run_ranks("tests.ddp.test_ddp_hardening:body_mixed_dtypes", np=np, timeout=1800,
                             args=(free_port(), cases, args.steps, bf16, True))
             wall = time.perf_counter() - t0
             for key, (digest, finite, step, auto) in res[0].items():
@@ -435,7 +435,7 @@ def main() -> None:
             print(f"np={np} bf16={bf16}: {wall:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": f"PYTHONPATH=. python -m tests.test_ddp_hardening --steps {args.steps}",
+            json.dump({"command": f"PYTHONPATH=. python -m tests.ddp.test_ddp_hardening --steps {args.steps}",
                        "rows": rows}, f, indent=1)
 
 

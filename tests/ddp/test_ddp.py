@@ -67,7 +67,7 @@ def body_ddp(cases, port):
 
 @pytest.mark.parametrize("np", [2, 4])
 def test_the_ddp_hook_gives_the_horovod_optimizers_bits(np):
-    res = run_ranks("tests.test_ddp:body_ddp", np=np, timeout=240, args=(CASES, free_port()))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp", np=np, timeout=240, args=(CASES, free_port()))
     for name, _ in CASES:
         ddp, ref, step, coded = res[0][name]
         assert all(r[name] == res[0][name] for r in res), name  # every rank the same
@@ -110,7 +110,7 @@ def _counting(pipe, groups: list):
 
 
 def test_the_hook_sends_ddps_small_buckets_together_with_the_same_bits():
-    res = run_ranks("tests.test_ddp:body_ddp_groups", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_groups", np=2, timeout=120, args=(free_port(),))
     for (together, groups), (alone, alone_groups) in res:
         assert together == alone == res[0][0][0]  # the codes depend on the names, not on the groups
         assert groups == [(0, "bucket.0"), (1, "bucket.0"), (2, "bucket.0")]  # one group a step
@@ -147,7 +147,7 @@ def test_pip_install_and_a_torchrun_training_in_a_fresh_venv_without_horovod(tmp
     import sys
     import sysconfig
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     site = Path(sysconfig.get_paths()["purelib"])
     venv, deps = tmp_path / "venv", tmp_path / "deps"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -223,7 +223,7 @@ def body_ddp_loops(port):
 
 
 def test_the_ddp_hook_resumes_bit_for_bit_and_lets_amp_see_an_overflow():
-    res = run_ranks("tests.test_ddp:body_ddp_loops", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_loops", np=2, timeout=120, args=(free_port(),))
     for resumed_equal, scales, params in res:
         assert resumed_equal  # model, optimizer and TernGrad state saved after 3 steps: 6 steps bit for bit
         assert scales[2] == scales[1] / 2 and scales == res[0][1]  # the overflow on rank 1: both skip, scale down
@@ -292,7 +292,7 @@ def test_the_hook_beside_ddps_own_collectives_find_unused_parameters_and_static_
     """The hook's collectives go on a group of its own: on DDP's, gloo aborted ("Received data size doesn't
     match expected size") as DDP's map of used parameters paired with a bucket's exchange. auto_: the hook's C++
     path beside them."""
-    res = run_ranks("tests.test_ddp:body_ddp_options", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_options", np=2, timeout=120, args=(free_port(),))
     assert res[0] == res[1]
     coded = {k: v for k, v in res[0].items() if not k.startswith("auto_")}
     cpp = [v for k, v in res[0].items() if k.startswith("auto_")]
@@ -329,7 +329,7 @@ def test_the_hook_under_ddps_join_with_uneven_inputs(transport):
     """auto: its plan (every bucket uncoded on so fast a link) takes over after the plan step, while rank 1
     is joined, and its C++ path from the next step (DDP runs it on new zero buckets for the joined rank).
     Both ranks end on the same parameters and count the same 7 steps."""
-    res = run_ranks("tests.test_ddp:body_ddp_join", np=2, timeout=120, args=(free_port(),
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_join", np=2, timeout=120, args=(free_port(),
                                                                            transport))
     assert res[0] == res[1] and res[0][1] == 7
     assert res[0][2] == (transport == "auto")
@@ -365,7 +365,7 @@ def test_powersgd_in_launch_order_on_many_buckets():
     """torch's powerSGD_hook, chained as it is, aborts a 2-rank gloo job with this many buckets even on localhost
     ("Received data size doesn't match expected size"). Through InLaunchOrder it runs: its warm-up steps give
     DDP's FP32 parameters bit for bit, then it compresses, and every rank holds the same parameters."""
-    res = run_ranks("tests.test_ddp:body_powersgd", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_powersgd", np=2, timeout=120, args=(free_port(),))
     assert res[0] == res[1]
     out = res[0]
     assert out["powersgd", 2] == out["fp32", 2] and out["powersgd", 2][1] == 0
@@ -402,7 +402,7 @@ def body_ddp_nonfinite(port, groups=False):
 
 @pytest.mark.parametrize("groups", [False, True])
 def test_a_nan_gradient_under_ddp_raises_on_every_rank_naming_tensor_and_rank(groups):
-    res = run_ranks("tests.test_ddp:body_ddp_nonfinite", np=2, timeout=120, args=(free_port(), groups))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_nonfinite", np=2, timeout=120, args=(free_port(), groups))
     for step, message in res:
         assert step == 1
         assert "NonFiniteGradientError: hvd_terngrad: non-finite" in message and "on rank 1 at step 1" in message
@@ -476,7 +476,7 @@ def body_ddp_one_node(port):
 
 
 def test_ddp_hierarchical_on_one_node_is_the_float_average():
-    res = run_ranks("tests.test_ddp:body_ddp_one_node", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_one_node", np=2, timeout=120, args=(free_port(),))
     for (hier, info), (plain, _) in res:
         assert hier == plain  # DDP's own FP32 average, bit for bit
         assert info == (1, True, 0)  # one node: nothing coded between nodes
@@ -591,7 +591,7 @@ def test_the_hook_under_ddps_loop_patterns_accumulation_clipping_and_torch_compi
     (its codes depend on the tensors' names, not on DDP's buckets)."""
     from hvd_terngrad.auto import PLAN_STEP
 
-    res = run_ranks("tests.test_ddp:body_ddp_loop_patterns", np=2, timeout=120, args=(free_port(),))
+    res = run_ranks("tests.ddp.test_ddp:body_ddp_loop_patterns", np=2, timeout=120, args=(free_port(),))
     assert res[0] == res[1]
     out = res[0]
     for compiled in (False, True):
